@@ -1,0 +1,97 @@
+"""Loading policies: the built-in model, any Hugging Face causal-LM directory, and GGUF files.
+
+The built-in model is a tiny Llama (RoPE, grouped-query attention, tied embeddings) over the
+character tokenizer; its warm-started weights ship inside the package under `assets/`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
+
+BUILTIN_MODEL_DIR = "builtin-pointer-walk"
+
+
+class ModelFilesError(RuntimeError):
+    """A model directory that cannot be used, with what to do about it."""
+
+
+def builtin_model_config(vocab_size: int, **overrides) -> LlamaConfig:
+    """The built-in architecture: 0.6M parameters, fast enough for GRPO on 2 CPU cores."""
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def builtin_model_path() -> Path:
+    """Where the shipped warm-started model lives inside the installed package."""
+    return Path(str(resources.files("sparserl") / "assets" / BUILTIN_MODEL_DIR))
+
+
+def resolve_model_path(path: str | None) -> Path:
+    if path is None:
+        return builtin_model_path()
+    return Path(path).expanduser()
+
+
+def load_policy(path: str | None, dtype: torch.dtype = torch.float32):
+    """Return (model, tokenizer) from a model directory; None means the built-in model."""
+    directory = resolve_model_path(path)
+    check_model_dir(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    prepare_tokenizer(tokenizer, model)
+    model.config.use_cache = True
+    return model, tokenizer
+
+
+def check_model_dir(directory: Path) -> None:
+    if not directory.is_dir():
+        hint = (
+            " The built-in model is missing from the package: run `sparserl warmup --out DIR` "
+            "and pass --model DIR."
+            if directory == builtin_model_path()
+            else " Pass --model a directory written by `save_pretrained` (config.json, weights, tokenizer)."
+        )
+        raise ModelFilesError(f"model directory {directory} does not exist.{hint}")
+    missing = [name for name in ("config.json",) if not (directory / name).exists()]
+    weights = list(directory.glob("*.safetensors")) + list(directory.glob("*.bin"))
+    if not weights:
+        missing.append("*.safetensors (model weights)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((directory / name).exists() for name in tokenizer_files):
+        missing.append("tokenizer files (tokenizer.json or tokenizer_config.json)")
+    if missing:
+        raise ModelFilesError(
+            f"model directory {directory} lacks {', '.join(missing)}; "
+            "save both the model and its tokenizer there with save_pretrained."
+        )
+
+
+def prepare_tokenizer(tokenizer, model: PreTrainedModel) -> None:
+    """Left padding for batched prompts, and a pad token even where the model has none."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

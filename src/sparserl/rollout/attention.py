@@ -1,0 +1,96 @@
+"""Attention whose key mask comes from us, per layer, instead of from transformers.
+
+transformers builds one mask for all layers from the 2-D padding mask. After eviction every layer
+holds its own set of tokens (and, per head, possibly different ones), so the engine and the replay
+install a `MaskProvider` while they run, and the model's attention calls `attend` below. It also
+lets the provider see each layer's post-RoPE queries, which SnapKV, R-KV and H2O score with.
+Outside `masked_attention(...)` the model runs its normal attention, untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+IMPLEMENTATION_NAME = "sparserl_masked"
+
+
+class MaskProvider(Protocol):
+    def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
+        """Bool `[N, Hm, Q, K]` (Hm = 1 or the number of KV heads): which keys each query sees."""
+        ...
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> None:
+        """Called before attention with post-RoPE `query [N, Hq, Q, D]` and cached `key [N, Hkv, K, D]`."""
+        ...
+
+
+_active_provider: contextvars.ContextVar[MaskProvider | None] = contextvars.ContextVar(
+    "sparserl_mask_provider", default=None
+)
+
+
+def attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Scaled-dot-product attention under the active provider's per-layer mask.
+
+    Shapes: query `[N, Hq, Q, D]`, key/value `[N, Hkv, K, D]`; returns `[N, Q, Hq, D]`.
+    """
+    provider = _active_provider.get()
+    if provider is None:
+        raise RuntimeError("sparserl attention ran outside masked_attention(); this is a bug")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("attention logit soft-capping is not supported by sparse rollouts")
+    layer_idx = module.layer_idx
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    mask = provider.attention_mask(layer_idx, q_len, k_len)
+    provider.observe(layer_idx, query, key, mask)
+    # Group queries under their KV head, so that per-KV-head masks broadcast without copying keys.
+    grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)
+    grouped_mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, k_len)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=grouped_mask, scale=scaling)
+    out = out.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
+    return out, None
+
+
+AttentionInterface.register(IMPLEMENTATION_NAME, attend)
+
+
+@contextlib.contextmanager
+def masked_attention(model: torch.nn.Module, provider: MaskProvider):
+    """Route the model's attention through `attend` with `provider` for the duration."""
+    configs = _attention_configs(model)
+    previous = [c._attn_implementation for c in configs]
+    token = _active_provider.set(provider)
+    for config in configs:
+        config._attn_implementation = IMPLEMENTATION_NAME
+    try:
+        yield
+    finally:
+        for config, impl in zip(configs, previous):
+            config._attn_implementation = impl
+        _active_provider.reset(token)
+
+
+def _attention_configs(model: torch.nn.Module) -> list:
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            configs[id(config)] = config
+    return list(configs.values())

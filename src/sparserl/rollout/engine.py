@@ -1,0 +1,281 @@
+"""The rollout engine: batched sampling with its own decode loop and KV cache.
+
+`RolloutEngine.generate` samples one response per prompt row (the caller repeats each prompt G
+times for a group), recording for every response token the log-prob of the exact distribution it
+was drawn from (temperature applied, no top-p/top-k). With a `KVCompression` it compresses the
+cache while decoding (a sparse rollout); without one it is the dense sampler. Both run the same
+code, so a sparse rollout whose budget is never reached is bitwise the dense rollout.
+
+Layout: prompts are left-padded to width P and responses right-padded to width T, so a token's
+column in the `[N, P + T]` sequence is its identity for masks and for the eviction record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import masked_attention
+from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
+from .kv_policies import POLICIES, KVPolicy, ScoringInputs, select_slots
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+
+
+@dataclass(frozen=True)
+class KVCompression:
+    """Sparse-rollout settings (SPEC §2): budget B, observation window w, interval Δ."""
+
+    policy: str = "rkv"
+    budget: int = 32
+    window: int = 8
+    interval: int = 8
+    per_head: bool = False
+    policy_options: tuple[tuple[str, object], ...] = ()
+
+    def build_policy(self) -> KVPolicy:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown kv_policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        return POLICIES[self.policy](**dict(self.policy_options))
+
+
+@dataclass
+class RolloutBatch:
+    """N sampled sequences. P = padded prompt width, T = padded response width."""
+
+    prompt_ids: torch.Tensor  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor  # [N, P] bool
+    response_ids: torch.Tensor  # [N, T] long, right-padded
+    response_mask: torch.Tensor  # [N, T] float {0,1}
+    sampler_logprobs: torch.Tensor  # [N, T] float32, log-prob of each sampled token under the sampler
+    prompt_lengths: torch.Tensor  # [N] long
+    response_lengths: torch.Tensor  # [N] long
+    ended: torch.Tensor  # [N] bool, the response ends with EOS (not cut at max length)
+    rollout_seconds: float
+    kv: KVStats = field(default_factory=KVStats)
+    evictions: list[EvictionEvent] = field(default_factory=list)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """`[N, P + T]` prompt and response in the column layout."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """`[N, P + T]` long, 1 on real tokens."""
+        return torch.cat([self.prompt_mask.long(), self.response_mask.long()], dim=1)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, P]` ids and bool mask for left-padded prompts."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = True
+    return ids, mask
+
+
+class _RolloutAttention:
+    """The mask provider during a rollout: masks from the cache, and the queries policies score with."""
+
+    def __init__(self, cache: BufferCache, window: int, keep_queries: bool, keep_mass: bool):
+        self.cache = cache
+        self.window = window
+        self.keep_queries = keep_queries
+        self.keep_mass = keep_mass
+        self.query_columns: torch.Tensor | None = None  # [N, Q]
+        self.query_real: torch.Tensor | None = None  # [N, Q]
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> [N, Hq, <=w, D]
+        self.window_real: torch.Tensor | None = None  # [N, <=w]
+        self.mass: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L]
+
+    def begin_forward(self, columns: torch.Tensor, real: torch.Tensor) -> None:
+        self.query_columns, self.query_real = columns, real
+        self.cache.set_incoming(columns, real)
+        if self.keep_queries:
+            previous = self.window_real if self.window_real is not None else real[:, :0]
+            self.window_real = torch.cat([previous, real], dim=1)[:, -self.window:]
+
+    def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
+        return self.cache.layers[layer_idx].visible(self.query_columns)
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> None:
+        layer = self.cache.layers[layer_idx]
+        if layer.is_sliding:
+            return
+        if self.keep_queries:
+            previous = self.queries.get(layer_idx)
+            joined = query if previous is None else torch.cat([previous, query], dim=2)
+            self.queries[layer_idx] = joined[:, :, -self.window:]
+        if self.keep_mass:
+            self._accumulate_mass(layer_idx, query, key, mask)
+
+    def _accumulate_mass(self, layer_idx, query, key, mask) -> None:
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        grouped = query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, dim)
+        logits = grouped @ key.transpose(-1, -2) / dim ** 0.5
+        visible = mask if mask.shape[1] == kv_heads else mask.expand(-1, kv_heads, -1, -1)
+        visible = visible.repeat(1, 1, q_heads // kv_heads, 1)
+        probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        received = probs.sum(dim=2)  # [N, Hkv, K]
+        previous = self.mass.get(layer_idx)
+        if previous is not None:
+            received[:, :, : previous.shape[2]] += previous
+        self.mass[layer_idx] = received
+
+    def after_keep(self, layer_idx: int, slots: torch.Tensor) -> None:
+        if layer_idx in self.mass:
+            per_head = slots if slots.shape[1] != 1 else slots.expand(-1, self.mass[layer_idx].shape[1], -1)
+            self.mass[layer_idx] = self.mass[layer_idx].gather(2, per_head)
+
+
+class RolloutEngine:
+    """Samples from a causal LM with a dense or compressed KV cache."""
+
+    def __init__(self, model, compression: KVCompression | None = None, record_evictions: bool = True):
+        self.model = model
+        self.compression = compression
+        self.policy = compression.build_policy() if compression else None
+        self.record_evictions = record_evictions
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        started = time.perf_counter()
+        model = self.model
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        prompt_ids, prompt_mask = left_pad(prompts, sampling.pad_token_id)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        batch, width = prompt_ids.shape
+        steps = sampling.max_new_tokens
+        comp = self.compression
+        num_layers = len(_decoder_layers(model))
+        budgets = [self.policy.layer_budget(comp.budget, i, num_layers) for i in range(num_layers)] if comp else None
+        capacity = max(width, max(budgets)) + comp.interval if comp else width + steps
+        cache = build_cache(model, batch, min(capacity, width + steps), bool(comp and comp.per_head),
+                            dtype, device, full_capacity=width + steps)
+        provider = _RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
+                                     keep_mass=bool(comp and self.policy.needs_attention_mass))
+        prompt_lengths = prompt_mask.sum(dim=1)
+        response_ids = torch.full((batch, steps), sampling.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+        live = torch.ones(batch, dtype=torch.bool, device=device)  # still generating
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        ended = torch.zeros(batch, dtype=torch.bool, device=device)
+        stats = KVStats()
+        evictions: list[EvictionEvent] = []
+        since_compression = 0
+        fed_tokens = prompt_lengths.clone()
+
+        with masked_attention(model, provider):
+            columns = torch.arange(width, device=device).expand(batch, -1)
+            provider.begin_forward(columns, prompt_mask)
+            positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            logits = model(input_ids=prompt_ids, position_ids=positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1]
+            for step in range(steps):
+                token, token_logprob = _sample(logits, sampling.temperature, generator)
+                token = torch.where(live, token, sampling.pad_token_id)
+                response_ids[:, step] = token
+                logprobs[:, step] = torch.where(live, token_logprob, 0.0)
+                lengths += live.long()
+                fed_real = live.clone()
+                if sampling.eos_token_id is not None:
+                    hit_eos = live & (token == sampling.eos_token_id)
+                    ended |= hit_eos
+                    live &= ~hit_eos
+                if step == steps - 1 or not bool(live.any()):
+                    break
+                if comp and since_compression >= comp.interval:
+                    if self._compress(cache, provider, budgets, step + 1, evictions, stats):
+                        since_compression = 0
+                provider.begin_forward((width + step) * torch.ones(batch, 1, dtype=torch.long, device=device),
+                                       fed_real[:, None])
+                logits = model(input_ids=token[:, None], position_ids=(prompt_lengths + step)[:, None],
+                               past_key_values=cache, use_cache=True).logits[:, -1]
+                since_compression += 1
+                fed_tokens += fed_real.long()
+
+        peaks = cache.peak_bytes()
+        stats.kv_peak_bytes_by_layer_type = peaks
+        stats.kv_peak_bytes = sum(peaks.values())
+        span = int(lengths.max())
+        stats.kv_dense_bytes = cache.bytes_per_slot() * (width + span)
+        stats.kept_tokens, stats.evicted_tokens = _token_accounting(cache, fed_tokens)
+        response_mask = (torch.arange(span, device=device)[None, :] < lengths[:, None]).float()
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            response_ids=response_ids[:, :span], response_mask=response_mask,
+            sampler_logprobs=logprobs[:, :span], prompt_lengths=prompt_lengths,
+            response_lengths=lengths, ended=ended,
+            rollout_seconds=time.perf_counter() - started, kv=stats,
+            evictions=evictions,
+        )
+
+    def _compress(self, cache: BufferCache, provider: _RolloutAttention, budgets: list[int], step: int,
+                  evictions: list[EvictionEvent], stats: KVStats) -> bool:
+        started = time.perf_counter()
+        comp = self.compression
+        compressed = False
+        for layer_idx, layer in enumerate(cache.layers):
+            budget = budgets[layer_idx]
+            if layer.is_sliding or layer.length <= budget:
+                continue
+            length = layer.length
+            inputs = ScoringInputs(
+                keys=layer.keys[:, :, :length], queries=provider.queries[layer_idx],
+                query_real=provider.window_real, real=layer.real[:, :, :length],
+                columns=layer.columns[:, :, :length], attention_mass=provider.mass.get(layer_idx),
+                layer_idx=layer_idx, num_layers=len(cache.layers),
+            )
+            slots = select_slots(self.policy.score(inputs), inputs.real, inputs.columns, budget, comp.window)
+            layer.keep(slots)
+            provider.after_keep(layer_idx, slots)
+            if self.record_evictions:
+                evictions.append(EvictionEvent(step, layer_idx, layer.columns[:, :, :budget].clone()))
+            compressed = True
+        if compressed:
+            stats.compressions += 1
+            stats.compress_seconds += time.perf_counter() - started
+        return compressed
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+    """Token `[N]` and its log-prob `[N]` under the distribution it was drawn from."""
+    logits = logits.float()
+    if temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logp.argmax(dim=-1)
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return token, logp.gather(1, token[:, None]).squeeze(1)
+
+
+def _token_accounting(cache: BufferCache, fed_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real tokens held at the end, and evicted, per sequence, averaged over full-attention layers."""
+    held = [layer.real[:, :, : layer.length].sum(dim=-1).float().mean(dim=1)
+            for layer in cache.layers if not layer.is_sliding]
+    kept = torch.stack(held).mean(dim=0) if held else fed_tokens.float()
+    return kept, fed_tokens.float() - kept
+
+
+def _decoder_layers(model) -> list:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return list(base.layers)

@@ -1,0 +1,186 @@
+"""A KV cache in preallocated buffers that evicts tokens in place, and so really frees memory.
+
+Each full-attention layer holds its keys and values in buffers `[N, Hkv, capacity, D]`. A slot
+also records the column it came from (its index in the left-padded prompt+response layout) and
+whether it holds a real token; that is all the mask needs, since a slot is visible to every later
+query. Compression (`compress`) gathers the w most recent real slots plus the B - w best-scored
+others to the front of the buffer, so the buffer never grows past max(prompt, B) + interval.
+
+With no compression policy the same class is the dense cache: one code path for both, which is
+what makes a sparse rollout with a huge budget bitwise the dense one.
+Sliding-window layers (hybrid models such as Gemma-3) keep every token and mask by distance;
+they are never compressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+NEG_INF = float("-inf")
+
+
+class BufferLayer(CacheLayerMixin):
+    """One layer's cache. `selection_heads` is 1 (one kept set per layer) or the KV head count."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, max_capacity: int, selection_heads: int,
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None = None,
+                 growth: int = 64):
+        super().__init__()
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        self.selection_heads = selection_heads
+        self.max_capacity = max_capacity
+        self.growth = growth
+        self.dtype, self.device = dtype, device
+        self.length = 0
+        self.keys = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.columns = torch.empty(batch, selection_heads, 0, dtype=torch.long, device=device)
+        self.real = torch.empty(batch, selection_heads, 0, dtype=torch.bool, device=device)
+        self.is_initialized = True
+        self.peak_bytes = 0
+        # Filled by the engine before each forward: the columns and realness of the incoming tokens.
+        self.incoming_columns: torch.Tensor | None = None
+        self.incoming_real: torch.Tensor | None = None
+
+    # --- transformers' cache-layer protocol -------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        incoming = key_states.shape[2]
+        self._reserve(self.length + incoming)
+        end = self.length + incoming
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.columns[:, :, self.length:end] = self.incoming_columns[:, None, :]
+        self.real[:, :, self.length:end] = self.incoming_real[:, None, :]
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_capacity
+
+    # --- ours ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        if needed > self.max_capacity:
+            raise RuntimeError(f"KV buffer overflow: {needed} slots > capacity {self.max_capacity}")
+        new_capacity = min(self.max_capacity, max(needed, self.capacity + self.growth))
+        grow = new_capacity - self.capacity
+        self.keys = _grow(self.keys, grow, 2)
+        self.values = _grow(self.values, grow, 2)
+        self.columns = _grow(self.columns, grow, 2)
+        self.real = _grow(self.real, grow, 2)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def visible(self, query_columns: torch.Tensor) -> torch.Tensor:
+        """Bool `[N, Hs, Q, K]`: slot k is visible to a query if real and not after it (or itself)."""
+        columns, real = self.columns[:, :, : self.length], self.real[:, :, : self.length]
+        q = query_columns[:, None, :, None]
+        k = columns[:, :, None, :]
+        seen = real[:, :, None, :] & (k <= q)
+        if self.sliding_window is not None:
+            seen &= k > q - self.sliding_window
+        return seen | (k == q)
+
+    def keep(self, slot_index: torch.Tensor) -> None:
+        """Move the slots `slot_index [N, Hs, B]` (in the order given) to the front of the buffer."""
+        kept = slot_index.shape[2]
+        heads_index = slot_index if self.selection_heads == self.kv_heads else slot_index.expand(-1, self.kv_heads, -1)
+        gather = heads_index[..., None].expand(-1, -1, -1, self.head_dim)
+        self.keys[:, :, :kept] = self.keys[:, :, : self.length].gather(2, gather)
+        self.values[:, :, :kept] = self.values[:, :, : self.length].gather(2, gather)
+        self.columns[:, :, :kept] = self.columns[:, :, : self.length].gather(2, slot_index)
+        self.real[:, :, :kept] = self.real[:, :, : self.length].gather(2, slot_index)
+        self.length = kept
+
+
+def _grow(tensor: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[dim] = extra
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+@dataclass
+class EvictionEvent:
+    """After compressing before decode step `step`, layer `layer` held `kept_columns [N, Hs, B]`."""
+
+    step: int
+    layer: int
+    kept_columns: torch.Tensor
+
+
+@dataclass
+class KVStats:
+    """What a rollout's cache cost; bytes are measured from the buffers' own `nbytes`."""
+
+    kv_peak_bytes: int = 0
+    kv_dense_bytes: int = 0
+    kv_peak_bytes_by_layer_type: dict[str, int] = field(default_factory=dict)
+    compressions: int = 0
+    compress_seconds: float = 0.0
+    kept_tokens: torch.Tensor | None = None  # [N] real tokens held at the end (full-attention layers, mean)
+    evicted_tokens: torch.Tensor | None = None  # [N] real tokens evicted over the rollout (same average)
+
+
+class BufferCache(Cache):
+    """The engine's cache: one `BufferLayer` per decoder layer."""
+
+    def __init__(self, layers: list[BufferLayer]):
+        super().__init__(layers=layers)
+
+    def set_incoming(self, columns: torch.Tensor, real: torch.Tensor) -> None:
+        """Columns `[N, Q]` and realness `[N, Q]` of the tokens the next forward will append."""
+        for layer in self.layers:
+            layer.incoming_columns, layer.incoming_real = columns, real
+
+    def peak_bytes(self) -> dict[str, int]:
+        totals = {"full_attention": 0, "sliding_attention": 0}
+        for layer in self.layers:
+            totals["sliding_attention" if layer.is_sliding else "full_attention"] += layer.peak_bytes
+        return totals
+
+    def bytes_per_slot(self) -> int:
+        return sum(2 * layer.batch * layer.kv_heads * layer.head_dim * layer.keys.element_size() for layer in self.layers)
+
+
+def build_cache(model, batch: int, max_capacity: int, selection_heads_per_layer: bool,
+                dtype: torch.dtype, device: torch.device, full_capacity: int) -> BufferCache:
+    """One buffer layer per decoder layer; sliding-window layers get the dense `full_capacity`."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layers = []
+    for layer_type in layer_types[: config.num_hidden_layers]:
+        sliding = layer_type == "sliding_attention" and window is not None
+        layers.append(BufferLayer(
+            batch, kv_heads, head_dim,
+            max_capacity=full_capacity if sliding else max_capacity,
+            selection_heads=kv_heads if selection_heads_per_layer and not sliding else 1,
+            dtype=dtype, device=device, sliding_window=window if sliding else None,
+        ))
+    return BufferCache(layers)

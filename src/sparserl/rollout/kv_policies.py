@@ -1,0 +1,243 @@
+"""KV compression policies: one small class per method, each with one `score` method.
+
+A policy only scores the cached tokens of one layer; what is kept is decided the same way for all
+of them by `select_slots`: the w most recent real tokens, plus the B - w best-scored others, never
+a padding slot while a real token is left. Register a new policy with `@register`.
+
+Default selection: one kept set shared per layer, scores summed over KV heads, as the Sparse-RL
+reference does; per-head selection (kvpress, original SnapKV) is the option (`per_head=True` in the
+engine, which makes `real`/`columns` carry one row per KV head). Shared is the default because one
+set per layer keeps one mask per layer and gathers all heads with a single index. `score` always
+returns one score per KV head, so the same policy serves both.
+
+Scores are computed in float32 on the keys' device. Policies: `streamingllm`, `h2o`, `snapkv`,
+`rkv`, `pyramidkv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+POLICIES: dict[str, type["KVPolicy"]] = {}
+
+
+def register(cls: type["KVPolicy"]) -> type["KVPolicy"]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+@dataclass
+class ScoringInputs:
+    """What a policy may look at for one layer. Hs is 1 (shared kept set) or Hkv (per head)."""
+
+    keys: torch.Tensor  # [N, Hkv, L, D] cached keys, post-RoPE
+    queries: torch.Tensor  # [N, Hq, w, D] post-RoPE queries of the last w fed tokens (observation window)
+    query_real: torch.Tensor  # [N, w] bool, False where a window query was padding
+    real: torch.Tensor  # [N, Hs, L] bool, False for padding slots
+    columns: torch.Tensor  # [N, Hs, L] long, the slot's column in the sequence (larger is more recent)
+    attention_mass: torch.Tensor | None  # [N, Hkv, L] attention received so far (H2O), else None
+    layer_idx: int
+    num_layers: int
+
+    def per_kv_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`real` and `columns` broadcast to `[N, Hkv, L]`, so scoring code need not care about Hs."""
+        n, hkv, length = self.keys.shape[:3]
+        return self.real.expand(n, hkv, length), self.columns.expand(n, hkv, length)
+
+
+class KVPolicy:
+    """Base class: subclasses set `name` and implement `score`."""
+
+    name: ClassVar[str]
+    needs_attention_mass: ClassVar[bool] = False
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        """Float `[N, Hkv, L]` (or `[N, 1, L]`), higher means keep. Padding is handled by the caller."""
+        raise NotImplementedError
+
+    def layer_budget(self, budget: int, layer_idx: int, num_layers: int) -> int:
+        return budget
+
+
+@register
+class StreamingLLM(KVPolicy):
+    """Attention sinks (the first `sinks` real tokens of each row) plus the most recent tokens."""
+
+    name = "streamingllm"
+
+    def __init__(self, sinks: int = 4):
+        if sinks < 0:
+            raise ValueError("sinks must be >= 0")
+        self.sinks = sinks
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        real, columns = inputs.per_kv_head()
+        length = real.shape[-1]
+        # Rank by column among real slots only: left padding must not take a sink's place.
+        order_key = torch.where(real, columns, torch.full_like(columns, torch.iinfo(columns.dtype).max))
+        rank = order_key.argsort(dim=-1, stable=True).argsort(dim=-1).float()
+        sink = real & (rank < self.sinks)
+        # Ranks are < L, so 2L puts every sink above every recency score.
+        score = torch.where(sink, torch.full_like(rank, 2.0 * length), rank)
+        return torch.where(real, score, torch.full_like(score, -1.0))
+
+
+@register
+class H2O(KVPolicy):
+    """Heavy hitters: the attention each cached token has received so far, summed over queries."""
+
+    name = "h2o"
+    needs_attention_mass = True
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        if inputs.attention_mass is None:
+            raise ValueError("h2o needs attention_mass; the engine collects it when needs_attention_mass is set")
+        return inputs.attention_mass.float()
+
+
+@register
+class SnapKV(KVPolicy):
+    """Attention of the observation-window queries onto the cache, pooled (SnapKV, Li et al. 2024).
+
+    Candidates of the softmax are all real slots, the window's own keys included, with no causal
+    mask inside the window: the window slots are kept anyway, so this only changes the softmax
+    normaliser, and query columns are not part of `ScoringInputs`. Padding queries add nothing.
+    The one `pooling` choice serves both the pooling over a KV group's query heads and the 1-D
+    smoothing along the slots (max-pool or avg-pool, stride 1, padding kernel // 2, as the
+    reference's `F.max_pool1d` / `F.avg_pool1d`, which counts the zero padding in the mean).
+    """
+
+    name = "snapkv"
+
+    def __init__(self, kernel_size: int = 7, pooling: Literal["max", "mean"] = "max"):
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError("kernel_size must be odd and >= 1, so that pooling keeps the length")
+        if pooling not in ("max", "mean"):
+            raise ValueError(f"pooling must be 'max' or 'mean', not {pooling!r}")
+        self.kernel_size = kernel_size
+        self.pooling = pooling
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        keys = inputs.keys.float()
+        queries = inputs.queries.to(device=keys.device, dtype=torch.float32)
+        n, hkv, length, dim = keys.shape
+        hq, w = queries.shape[1], queries.shape[2]
+        real, _ = inputs.per_kv_head()
+        # Query head h reads KV head h // group (GQA), so group the queries under their KV head.
+        grouped = queries.view(n, hkv, hq // hkv, w, dim)
+        logits = torch.einsum("nhgwd,nhld->nhgwl", grouped, keys) / dim ** 0.5
+        logits = logits.masked_fill(~real[:, :, None, None, :], float("-inf"))
+        # A row with no real slot softmaxes to NaN; it has nothing to rank, so zero it.
+        probs = logits.softmax(dim=-1).nan_to_num(0.0)
+        probs = probs * inputs.query_real.to(probs)[:, None, None, :, None]
+        summed = probs.sum(dim=3)  # [N, Hkv, group, L]
+        pooled = summed.amax(dim=2) if self.pooling == "max" else summed.mean(dim=2)
+        flat = pooled.reshape(n * hkv, 1, length)
+        pad = self.kernel_size // 2
+        if self.pooling == "max":
+            flat = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        else:
+            flat = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        return flat.view(n, hkv, length)
+
+
+@register
+class RKV(KVPolicy):
+    """Redundancy-aware scoring for long reasoning (R-KV): lam * importance - (1 - lam) * redundancy.
+
+    importance: the SnapKV score divided by its sum over the real slots of its (row, KV head).
+    redundancy, per KV head, among the real slots: cosine similarity of the keys, diagonal zeroed;
+    a pair (i, j) with sim > threshold spares the more recent token, so sim[i, j] is set to 0
+    when column_i > column_j, and the older token i keeps it counted. Then redundancy_i is the mean
+    of the row sim[i, j] over the other real slots j, turned into a distribution by a softmax
+    over the real slots (as the reference does).
+    """
+
+    name = "rkv"
+
+    def __init__(self, lam: float = 0.1, similarity_threshold: float = 0.5, kernel_size: int = 7,
+                 pooling: Literal["max", "mean"] = "max"):
+        self.lam = lam
+        self.similarity_threshold = similarity_threshold
+        self.importance = SnapKV(kernel_size=kernel_size, pooling=pooling)
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        real, columns = inputs.per_kv_head()
+        attention = self.importance.score(inputs).masked_fill(~real, 0.0)
+        importance = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        return self.lam * importance - (1.0 - self.lam) * self.redundancy(inputs.keys, real, columns)
+
+    def redundancy(self, keys: torch.Tensor, real: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        keys = keys.float()
+        unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = unit @ unit.transpose(-1, -2)  # [N, Hkv, L, L]
+        length = keys.shape[2]
+        others = real[..., :, None] & real[..., None, :] & ~torch.eye(length, dtype=torch.bool, device=keys.device)
+        newer_twin = (sim > self.similarity_threshold) & (columns[..., :, None] > columns[..., None, :])
+        sim = sim.masked_fill(~others | newer_twin, 0.0)
+        mean_sim = sim.sum(dim=-1) / others.sum(dim=-1).clamp_min(1)
+        return mean_sim.masked_fill(~real, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+
+
+@register
+class PyramidKV(SnapKV):
+    """SnapKV scores with budgets that shrink linearly with depth (PyramidKV, Cai et al. 2024).
+
+    As the reference, the part of the budget above the window, E = budget - window, runs from
+    top = 2E - bottom at layer 0 down to bottom = max(1, floor(E / beta)) at the last layer; the
+    arithmetic sequence has mean E, and rounding down keeps the total <= num_layers * budget.
+    Every layer keeps >= window + 1. `window` must equal the compression's window (the engine
+    builds policies from `policy_options` only).
+    """
+
+    name = "pyramidkv"
+
+    def __init__(self, beta: float = 20.0, window: int = 8, kernel_size: int = 7,
+                 pooling: Literal["max", "mean"] = "max"):
+        super().__init__(kernel_size=kernel_size, pooling=pooling)
+        if beta < 1:
+            raise ValueError("beta must be >= 1")
+        self.beta = beta
+        self.window = window
+
+    def layer_budget(self, budget: int, layer_idx: int, num_layers: int) -> int:
+        extra = budget - self.window
+        if num_layers <= 1 or extra <= 1:
+            return budget
+        bottom = max(1, int(extra // self.beta))
+        top = 2 * extra - bottom
+        steps_from_bottom = num_layers - 1 - layer_idx
+        return self.window + bottom + (top - bottom) * steps_from_bottom // (num_layers - 1)
+
+
+def select_slots(scores: torch.Tensor, real: torch.Tensor, columns: torch.Tensor, budget: int,
+                 window: int) -> torch.Tensor:
+    """Slot indices `[N, Hs, budget]` to keep, in sequence order.
+
+    scores `[N, Hkv or 1, L]` are summed over heads when one set is shared (`real` has Hs = 1), as
+    the reference does. The `window` most recent real slots are always kept; padding never is while
+    real tokens remain. Ties, padding included, go to the more recent slot, so the choice is
+    deterministic.
+    """
+    if budget > real.shape[-1]:
+        raise ValueError(f"budget {budget} exceeds the {real.shape[-1]} slots held")
+    if real.shape[1] == 1 and scores.shape[1] != 1:
+        scores = scores.sum(dim=1, keepdim=True)
+    scores = scores.to(torch.float64).expand_as(real)
+    recency = torch.where(real, columns, torch.full_like(columns, -1))
+    recent_first = recency.argsort(dim=-1, descending=True, stable=True)
+    recent_rank = recent_first.argsort(dim=-1)
+    in_window = real & (recent_rank < window)
+    finite_max = torch.finfo(torch.float64).max
+    # Three tiers: window (+inf) above every real score (finite) above padding (-inf).
+    tiered = scores.nan_to_num(nan=-finite_max, posinf=finite_max, neginf=-finite_max)
+    tiered = torch.where(in_window, torch.full_like(tiered, float("inf")), tiered)
+    tiered = torch.where(real, tiered, torch.full_like(tiered, float("-inf")))
+    # A stable sort of the recency-ordered scores breaks every tie towards the more recent slot.
+    by_score = tiered.gather(-1, recent_first).argsort(dim=-1, descending=True, stable=True)
+    chosen = recent_first.gather(-1, by_score[..., :budget])
+    return chosen.gather(-1, columns.gather(-1, chosen).argsort(dim=-1))
