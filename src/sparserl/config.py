@@ -39,7 +39,7 @@ class ModelConfig:
 class TaskConfig:
     task: str = "pointer_walk"  # pointer_walk | math_jsonl | reasoning_gym
     difficulty: int = 12  # pointer_walk: letters in the cycle (2..26)
-    hops: int = 40  # pointer_walk: steps in the chain of thought
+    hops: int = 32  # pointer_walk: steps in the chain of thought
     data_path: str | None = None  # math_jsonl: the JSONL file
     prompt_key: str = "prompt"
     label_key: str = "label"

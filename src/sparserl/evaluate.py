@@ -54,3 +54,74 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def run_eval(config, n: int, samples: int, inference: str) -> dict:
+    """The `sparserl eval` report for `config`'s model and task; see the module docstring."""
+    from .models import load_policy
+    from .tasks.registry import max_new_tokens as response_bound, task_from_config
+    from .trainer import kv_compression
+
+    if config.model.threads:
+        torch.set_num_threads(config.model.threads)
+    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
+    model.eval()
+    task = task_from_config(config.task)
+    examples = task.examples(n, seed=config.train.seed, split="test")
+    max_new_tokens = response_bound(config.task, task)
+    modes = ["dense", "sparse"] if inference == "both" else [inference]
+    report: dict = {"model": config.model.model or "built-in", "task": task.name, "examples": len(examples),
+                    "max_new_tokens": max_new_tokens}
+    for mode in modes:
+        compression = kv_compression(config) if mode == "sparse" else None
+        part = _eval_one(model, tokenizer, task, examples, max_new_tokens, compression, samples,
+                         config.rollout.temperature, config.train.seed)
+        report[mode] = part
+    headline = report[modes[0]]
+    report.update({k: v for k, v in headline.items() if not isinstance(v, dict)})
+    report["inference"] = modes[0] if len(modes) == 1 else "both (headline: dense)"
+    return report
+
+
+def _eval_one(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
+              compression: KVCompression | None, samples: int, temperature: float, seed: int) -> dict:
+    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression)
+    correct = [r >= 1.0 for r in task.reward(greedy.texts, **reward_columns(examples))]
+    result = {"accuracy": sum(correct) / max(len(correct), 1), **_token_figures(greedy.batches)}
+    if compression is not None:
+        result["kv"] = {"policy": compression.policy, "budget": compression.budget,
+                        "window": compression.window, "interval": compression.interval,
+                        **_kv_figures(greedy.batches)}
+    if samples > 0:
+        sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
+                           generator=torch.Generator().manual_seed(seed))
+        columns = {k: [v for v in values for _ in range(samples)] for k, values in reward_columns(examples).items()}
+        hits = [r >= 1.0 for r in task.reward(sampled.texts, **columns)]
+        per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
+        ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]
+        result["pass_at_k"] = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in per_example) / len(examples)
+                               for k in ks}
+        result["sampled_accuracy"] = sum(hits) / max(len(hits), 1)
+    return result
+
+
+def _token_figures(batches: list[RolloutBatch]) -> dict:
+    prompt = max(int(b.prompt_lengths.max()) for b in batches)
+    total = max(int((b.prompt_lengths + b.response_lengths).max()) for b in batches)
+    responses = torch.cat([b.response_lengths for b in batches]).float()
+    return {"max_prompt_tokens": prompt, "max_total_tokens": total,
+            "mean_response_tokens": float(responses.mean()),
+            "truncated_frac": float(torch.cat([~b.ended for b in batches]).float().mean())}
+
+
+def _kv_figures(batches: list[RolloutBatch]) -> dict:
+    kept = torch.cat([b.kv.kept_tokens for b in batches])
+    evicted = torch.cat([b.kv.evicted_tokens for b in batches])
+    rollout_s = sum(b.rollout_seconds for b in batches)
+    peak = max(b.kv.kv_peak_bytes for b in batches)
+    dense = max(b.kv.kv_dense_bytes for b in batches)
+    return {"kv_peak_bytes": peak, "kv_dense_bytes": dense, "kv_peak_frac": peak / max(dense, 1),
+            "kept_tokens_mean": float(kept.mean()), "evicted_tokens_mean": float(evicted.mean()),
+            "kept_token_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
+            "compressions": sum(b.kv.compressions for b in batches),
+            "compress_time_frac": sum(b.kv.compress_seconds for b in batches) / max(rollout_s, 1e-9)}

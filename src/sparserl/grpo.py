@@ -91,7 +91,8 @@ def ppo_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
     with torch.no_grad():
         clip_frac = ((clipped > unclipped) & active).sum() / active.sum().clamp(min=1)
         ratio_mean = (ratio * active).sum() / active.sum().clamp(min=1)
-    return LossTerms(loss, float(pg_loss), float(kl_value), float(entropy_value), float(clip_frac), float(ratio_mean))
+    return LossTerms(loss, float(pg_loss.detach()), float(kl_value.detach()), float(entropy_value.detach()),
+                     float(clip_frac), float(ratio_mean))
 
 
 def k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:

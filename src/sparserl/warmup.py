@@ -31,7 +31,7 @@ class WarmupConfig:
     out: str = "warmup-model"
     seed: int = 0
     letters: int = 12  # the target difficulty whose accuracy must land in the band
-    hops: int = 40
+    hops: int = 32
     batch_size: int = 32
     lr: float = 2e-3
     warmup_steps: int = 50
@@ -75,11 +75,11 @@ def warmup(config: WarmupConfig) -> dict:
         if step % config.probe_every:
             continue
         model.eval()
-        accuracy = greedy_accuracy(model, tokenizer, target, probe_set, target.max_response_chars + 2)
+        accuracy = greedy_accuracy(model, tokenizer, target, probe_set, target.default_max_new_tokens)
         stage_task = PointerWalkTask(high, config.hops)
         stage_accuracy = greedy_accuracy(model, tokenizer, stage_task,
                                          stage_task.examples(64, seed=config.seed, split="test"),
-                                         stage_task.max_response_chars + 2)
+                                         stage_task.default_max_new_tokens)
         history.append({"step": step, "loss": float(loss), "accuracy": accuracy, "stage": stage,
                         "stage_accuracy": stage_accuracy, "seconds": time.perf_counter() - started})
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{accuracy:.2f}", stage=f"{low}-{high}:{stage_accuracy:.2f}")

@@ -12,6 +12,7 @@ column in the `[N, P + T]` sequence is its identity for masks and for the evicti
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -44,7 +45,12 @@ class KVCompression:
     def build_policy(self) -> KVPolicy:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown kv_policy {self.policy!r}; choose one of {sorted(POLICIES)}")
-        return POLICIES[self.policy](**dict(self.policy_options))
+        cls = POLICIES[self.policy]
+        options = dict(self.policy_options)
+        # Policies that shape budgets around the recent window (PyramidKV) must see the engine's window.
+        if "window" in inspect.signature(cls).parameters:
+            options.setdefault("window", self.window)
+        return cls(**options)
 
 
 @dataclass
@@ -203,7 +209,7 @@ class RolloutEngine:
                 if step == steps - 1 or not bool(live.any()):
                     break
                 if comp and since_compression >= comp.interval:
-                    if self._compress(cache, provider, budgets, step + 1, evictions, stats):
+                    if self._compress(cache, provider, budgets, width + step, evictions, stats):
                         since_compression = 0
                 provider.begin_forward((width + step) * torch.ones(batch, 1, dtype=torch.long, device=device),
                                        fed_real[:, None])
@@ -228,7 +234,7 @@ class RolloutEngine:
             evictions=evictions,
         )
 
-    def _compress(self, cache: BufferCache, provider: _RolloutAttention, budgets: list[int], step: int,
+    def _compress(self, cache: BufferCache, provider: _RolloutAttention, budgets: list[int], next_column: int,
                   evictions: list[EvictionEvent], stats: KVStats) -> bool:
         started = time.perf_counter()
         comp = self.compression
@@ -248,7 +254,7 @@ class RolloutEngine:
             layer.keep(slots)
             provider.after_keep(layer_idx, slots)
             if self.record_evictions:
-                evictions.append(EvictionEvent(step, layer_idx, layer.columns[:, :, :budget].clone()))
+                evictions.append(EvictionEvent(next_column, layer_idx, layer.columns[:, :, :budget].clone()))
             compressed = True
         if compressed:
             stats.compressions += 1

@@ -125,9 +125,9 @@ def _grow(tensor: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
 
 @dataclass
 class EvictionEvent:
-    """After compressing before decode step `step`, layer `layer` held `kept_columns [N, Hs, B]`."""
+    """Just before column `first_column` was fed, layer `layer` was compressed to `kept_columns [N, Hs, B]`."""
 
-    step: int
+    first_column: int
     layer: int
     kept_columns: torch.Tensor
 

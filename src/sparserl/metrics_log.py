@@ -1,0 +1,70 @@
+"""Where per-step metrics go: `metrics.jsonl` (always), TensorBoard, and trackio or wandb if asked.
+
+On resume the JSONL file is cut back to the checkpoint's step, so a resumed run's file reads as
+if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, backends: str, resume_step: int, run_name: str, config: dict):
+        self.path = run_dir / METRICS_FILE
+        _truncate_after(self.path, resume_step)
+        self.tensorboard = None
+        self.trackers: list[Any] = []
+        names = {b.strip() for b in backends.split(",") if b.strip() and b.strip() != "none"}
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+        for name in sorted(names - {"tensorboard"}):
+            if name not in ("trackio", "wandb"):
+                raise ValueError(f"log_with: unknown backend {name!r}; use tensorboard, trackio, wandb or none")
+            if importlib.util.find_spec(name) is None:
+                warnings.warn(f"log_with asks for {name}, which is not installed; `pip install {name}` to use it")
+                continue
+            module = __import__(name)
+            module.init(project="sparserl", name=run_name, config=config,
+                        **({"resume": "allow"} if name == "wandb" else {}))
+            self.trackers.append(module)
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if self.tensorboard is not None:
+                    self.tensorboard.add_scalar(key, value, step)
+        for tracker in self.trackers:
+            tracker.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)

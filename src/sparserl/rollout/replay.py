@@ -1,0 +1,78 @@
+"""Exact replay of a sparse rollout: one teacher-forced forward that sees what the sampler saw.
+
+The engine records, per compression and per layer, which columns the cache held afterwards
+(`EvictionEvent`). A query at column j therefore saw the columns held after the last compression
+before j, plus every column fed since that compression, plus itself. `replay_masks` turns the
+record into per-layer boolean masks `[N, Hs, S, S]`, and `replay_logprobs` runs the model once
+under them, reproducing the sampler's log-probs (to float32 rounding) with gradients available,
+which DistillSparse trains through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recompute import response_logprobs
+from .attention import masked_attention
+from .engine import RolloutBatch
+from .kv_cache import EvictionEvent
+
+
+def replay_masks(attention_mask: torch.Tensor, events: list[EvictionEvent], num_layers: int,
+                 sliding_windows: list[int | None] | None = None) -> list[torch.Tensor]:
+    """Per-layer bool masks `[N, Hs, S, S]` (Hs = 1, or KV heads for per-head selection).
+
+    attention_mask: `[N, S]` 1 on real tokens in the engine's column layout.
+    """
+    real = attention_mask.bool()
+    batch, width = real.shape
+    columns = torch.arange(width, device=real.device)
+    causal = columns[None, :] <= columns[:, None]  # [S(query), S(key)]
+    base = real[:, None, None, :] & causal[None, None]
+    masks = []
+    for layer in range(num_layers):
+        window = sliding_windows[layer] if sliding_windows else None
+        layer_events = sorted((e for e in events if e.layer == layer), key=lambda e: e.first_column)
+        heads = layer_events[0].kept_columns.shape[1] if layer_events else 1
+        mask = base.expand(batch, heads, width, width).clone()
+        for index, event in enumerate(layer_events):
+            start = event.first_column
+            stop = layer_events[index + 1].first_column if index + 1 < len(layer_events) else width
+            held = torch.zeros(batch, heads, width, dtype=torch.bool, device=real.device)
+            held.scatter_(2, event.kept_columns.to(real.device), True)
+            since = (columns >= start)[None, None, :]
+            mask[:, :, start:stop, :] &= (held | since)[:, :, None, :]
+        if window is not None:
+            mask &= (columns[None, :] > columns[:, None] - window)[None, None]
+        mask |= torch.eye(width, dtype=torch.bool, device=real.device)[None, None]
+        masks.append(mask)
+    return masks
+
+
+class _ReplayAttention:
+    def __init__(self, masks: list[torch.Tensor]):
+        self.masks = masks
+
+    def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
+        return self.masks[layer_idx]
+
+    def observe(self, layer_idx, query, key, mask) -> None:
+        pass
+
+
+def replay_logprobs(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse-sampler log-probs `[n, T]` of `batch`'s responses by one masked forward.
+
+    Gradients flow if enabled by the caller. `rows` selects a subset (micro-batching).
+    """
+    rows = slice(None) if rows is None else rows
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    windows = [getattr(config, "sliding_window", None) if t == "sliding_attention" else None
+               for t in layer_types[: config.num_hidden_layers]]
+    attention_mask = batch.attention_mask[rows]
+    events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
+    masks = replay_masks(attention_mask, events, config.num_hidden_layers, windows)
+    with masked_attention(model, _ReplayAttention(masks)):
+        logprobs, _ = response_logprobs(model, batch.input_ids[rows], attention_mask, batch.prompt_ids.shape[1])
+    return logprobs

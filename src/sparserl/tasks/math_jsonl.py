@@ -1,0 +1,144 @@
+"""A task read from a JSONL file of math problems, graded by math-verify.
+
+Each non-blank line is a JSON object with a prompt and a label (the gold answer), e.g.
+
+    {"prompt": "What is 1/4 + 1/4?", "label": "1/2"}
+
+The key names are options (`prompt_key`, `label_key`); numeric labels are turned into strings.
+The prompt shown to the model is `template.format(prompt=...)`.
+
+Split: the records are shuffled once with a fixed seed (`split_seed`, not the `examples` seed,
+so the split never moves), and the last `test_fraction` of them (at least 1) is the "test"
+split, the rest "train". `examples(count, seed, split)` draws a seeded sample from that split
+(see `seeded_sample`). Completions are graded by `math_verify_reward` under `safe_reward`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..rewards import SafeReward, math_verify_reward, safe_reward
+from .base import Example
+
+T = TypeVar("T")
+
+SPLITS = ("train", "test")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used as given; the message says where and what to fix."""
+
+
+def seeded_sample(pool: Sequence[T], count: int, rng: random.Random) -> list[T]:
+    """`count` items of `pool` without repeats while it lasts, then further reshuffled passes.
+
+    Passes rather than an error when `count > len(pool)`, so a small file still fills a batch.
+    """
+    if not pool:
+        raise ValueError("cannot sample from an empty split")
+    out: list[T] = []
+    while len(out) < count:
+        take = min(count - len(out), len(pool))
+        out.extend(rng.sample(list(pool), take))
+    return out
+
+
+class MathJsonlTask:
+    """Math problems from a JSONL file; the file is read and checked when the task is built."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        prompt_key: str = "prompt",
+        label_key: str = "label",
+        template: str = "{prompt}",
+        name: str = "math_jsonl",
+        test_fraction: float = 0.1,
+        split_seed: int = 0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.path = Path(path)
+        self.prompt_key = prompt_key
+        self.label_key = label_key
+        self.template = template
+        self.name = name
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        try:
+            template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"task.template {template!r} must use only the placeholder {{prompt}} "
+                f"(write literal braces as {{{{ }}}}): {exc!r}"
+            ) from None
+        records = self._load()
+        if len(records) < 2:
+            raise DataError(f"{self.path}: {len(records)} record(s); need at least 2 for a train/test split")
+        order = list(range(len(records)))
+        random.Random(f"math_jsonl/split/{split_seed}").shuffle(order)
+        n_test = max(1, math.floor(len(records) * test_fraction))
+        self._splits: dict[str, list[Example]] = {
+            "train": [records[i] for i in order[:-n_test]],
+            "test": [records[i] for i in order[-n_test:]],
+        }
+        self.reward_guard: SafeReward = safe_reward(math_verify_reward, timeout_s=timeout_s)
+
+    def _load(self) -> list[Example]:
+        if not self.path.is_file():
+            raise DataError(f"{self.path}: no such file; set task.path")
+        records = []
+        with self.path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    records.append(self._record(line, lineno))
+        return records
+
+    def _record(self, line: str, lineno: int) -> Example:
+        where = f"{self.path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); "
+                            "each line must be one JSON object") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        prompt = self._field(obj, self.prompt_key, "prompt_key", where, numbers_ok=False)
+        label = self._field(obj, self.label_key, "label_key", where, numbers_ok=True)
+        return Example(prompt=self.template.format(prompt=prompt), label=label,
+                       extra={"line": lineno})
+
+    @staticmethod
+    def _field(obj: dict[str, Any], key: str, option: str, where: str, numbers_ok: bool) -> str:
+        if key not in obj:
+            present = ", ".join(map(str, obj)) or "none"
+            raise DataError(f"{where}: missing key {key!r} (keys present: {present}); "
+                            f"set task.{option}")
+        value = obj[key]
+        # bool is an int in Python, but `true` is never a math answer.
+        if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        if not isinstance(value, str):
+            kinds = "a string or a number" if numbers_ok else "a string"
+            raise DataError(f"{where}: key {key!r} is {type(value).__name__} {value!r}; "
+                            f"it must be {kinds}")
+        if not value.strip():
+            raise DataError(f"{where}: key {key!r} is empty")
+        return value
+
+    def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
+        if split not in self._splits:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        rng = random.Random(f"{self.name}/{split}/{seed}")
+        return seeded_sample(self._splits[split], count, rng)
+
+    def split_size(self, split: str) -> int:
+        """How many distinct records the split holds."""
+        return len(self._splits[split])
+
+    def reward(self, completions: list[str], **kwargs: Any) -> list[float]:
+        return self.reward_guard(completions, **kwargs)

@@ -1,0 +1,252 @@
+"""The GRPO trainer: prompts → rollouts (dense or sparse) → rewards → dense recompute → corrections → update.
+
+One `GRPOTrainer` runs every mode of SPEC §3.5; the mode only decides whether rollouts are
+compressed and which corrections apply (`mode_corrections`). Every step is a pure function of
+(weights, optimizer state, seed, step): prompts and sampling noise are seeded per step, which is
+what makes a resumed run repeat an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_checkpoint
+from .config import ExperimentConfig, save_config
+from .corrections import CorrectionConfig, compute_corrections, rejection_by_length
+from .evaluate import decode_responses, greedy_accuracy
+from .grpo import group_advantages, ppo_loss, token_coefficients
+from .metrics_log import MetricsLogger
+from .models import load_policy
+from .recompute import batched_logprobs, micro_batches, response_logprobs
+from .rewards import safe_reward
+from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from .tasks.base import reward_columns
+from .tasks.registry import max_new_tokens, task_from_config
+
+log = logging.getLogger(__name__)
+SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
+LENGTH_BUCKETS = 4
+
+
+def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
+    """Which of the configured corrections a mode applies; metrics are computed in every mode."""
+    off = dict(veto_threshold=None, band=None, is_mode="none", batch_normalize=False)
+    if mode in ("dense", "naive-sparse"):
+        return dataclasses.replace(base, **off)
+    if mode == "sparse-tis":
+        return dataclasses.replace(base, veto_threshold=None, band=None)
+    if mode == "sparse-rs":
+        return dataclasses.replace(base, is_mode="none", batch_normalize=False)
+    return base
+
+
+def kv_compression(config: ExperimentConfig) -> KVCompression:
+    r = config.rollout
+    return KVCompression(policy=r.kv_policy, budget=r.kv_budget, window=r.kv_window,
+                         interval=r.kv_interval, per_head=r.kv_per_head)
+
+
+def step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+class GRPOTrainer:
+    def __init__(self, config: ExperimentConfig, resume: bool = False):
+        self.config = config
+        self.run_dir = Path(config.output.out)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if config.model.threads:
+            torch.set_num_threads(config.model.threads)
+        torch.manual_seed(config.train.seed)
+        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        if resume and checkpoint is None:
+            warnings.warn(f"--resume: no checkpoint under {self.run_dir}, starting from scratch")
+        dtype = getattr(torch, config.model.dtype)
+        source = str(checkpoint / "policy") if checkpoint else config.model.model
+        self.model, self.tokenizer = load_policy(source, dtype)
+        self.reference = None
+        if config.train.kl_coef > 0:
+            self.reference = load_policy(config.model.model, dtype)[0].eval().requires_grad_(False)
+        self.task = task_from_config(config.task)
+        self.max_new_tokens = max_new_tokens(config.task, self.task)
+        # Tasks whose rewards can hang (math-verify) bring their own guard; others get one here.
+        self.reward = getattr(self.task, "reward_guard", None) or safe_reward(self.task.reward)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
+                                           weight_decay=config.train.weight_decay)
+        self.state = TrainerState()
+        if checkpoint is not None:
+            self.state = load_trainer_state(checkpoint, self.optimizer)
+        self.sparse = config.train.mode in SPARSE_MODES
+        self.compression = kv_compression(config)
+        self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
+                                    record_evictions=False)
+        self.corrections = mode_corrections(config.train.mode, config.correction)
+        self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
+        save_config(config, self.run_dir / "config.yaml")
+        self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step,
+                                    run_name=self.run_dir.name, config=config.to_dict())
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> TrainerState:
+        cfg = self.config
+        if self.state.step == 0 and cfg.output.eval_every:
+            self.logger.log({"step": 0, **self.evaluate()})
+        bar = tqdm(total=cfg.train.steps, initial=self.state.step, desc=f"train {cfg.train.mode}", unit="step")
+        try:
+            while self.state.step < cfg.train.steps:
+                step = self.state.step + 1
+                record = self.train_step(step)
+                self.state.step = step
+                if cfg.output.eval_every and (step % cfg.output.eval_every == 0 or step == cfg.train.steps):
+                    record.update(self.evaluate())
+                self.logger.log(record)
+                if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps:
+                    save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.optimizer,
+                                    cfg, cfg.output.keep_checkpoints)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
+                                len=f"{record['response_len_mean']:.0f}")
+        finally:
+            bar.close()
+            self.logger.close()
+        return self.state
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy accuracy under dense and under sparse inference (same policy and budget)."""
+        self.model.eval()
+        dense = greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples, self.max_new_tokens)
+        sparse = greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples, self.max_new_tokens,
+                                 compression=self.compression)
+        return {"eval_accuracy_dense": dense, "eval_accuracy_sparse": sparse}
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        started = time.perf_counter()
+        seed = step_seed(cfg.train.seed, step)
+        generator = torch.Generator().manual_seed(seed)
+        examples = self.task.examples(cfg.rollout.prompts_per_step, seed=seed, split="train")
+        group = cfg.rollout.group_size
+        prompts = [self.tokenizer(e.prompt).input_ids for e in examples for _ in range(group)]
+        self.model.eval()
+        sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
+                                  eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
+        batch = self.engine.generate(prompts, sampling, generator)
+        texts = decode_responses(self.tokenizer, batch)
+        columns = {k: [v for v in values for _ in range(group)] for k, values in reward_columns(examples).items()}
+        rewards = torch.tensor(self.reward(texts, **columns), dtype=torch.float32)
+
+        recompute_started = time.perf_counter()
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        width = batch.prompt_ids.shape[1]
+        mb = cfg.train.micro_batch_size
+        logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
+        logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
+                    if self.reference is not None else None)
+        corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
+        included = None if cfg.train.rejected_in_baseline else corrections.seq_keep
+        advantages = group_advantages(rewards, group, included)
+        recompute_s = time.perf_counter() - recompute_started
+
+        update_started = time.perf_counter()
+        keep = corrections.keep_mask
+        rejected = 1.0 - float(keep.sum()) / max(float(batch.response_mask.sum()), 1.0)
+        if self.corrections.veto_threshold is not None or self.corrections.band is not None:
+            if rejected > cfg.train.warn_rejected_frac:
+                warnings.warn(f"step {step}: corrections rejected {rejected:.0%} of response tokens "
+                              f"(warn_rejected_frac={cfg.train.warn_rejected_frac}); training may starve")
+        skipped = float(keep.sum()) == 0
+        if skipped:
+            self.state.skipped_steps += 1
+            warnings.warn(f"step {step}: every response token was rejected; skipping the update "
+                          f"({self.state.skipped_steps} skipped so far)")
+            update = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
+                      "ratio_mean": 1.0, "grad_norm": 0.0, "optimizer_steps": 0}
+        else:
+            update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator)
+        update_s = time.perf_counter() - update_started
+
+        counts = self.reward.pop_counts()
+        self.state.reward_failures += counts["reward_failures"]
+        self.state.reward_timeouts += counts["reward_timeouts"]
+        return {
+            "step": step,
+            **self._rollout_metrics(batch, rewards),
+            **update,
+            **corrections.metrics,
+            **rejection_by_length(batch.response_lengths, corrections.seq_keep, self._length_edges()),
+            "rejected_token_frac": rejected,
+            "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
+            **counts,
+            "rollout_s": batch.rollout_seconds, "recompute_s": recompute_s, "update_s": update_s,
+            "step_s": time.perf_counter() - started,
+            "tokens_per_s": float(batch.response_mask.sum()) / max(batch.rollout_seconds, 1e-9),
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+
+    def _update(self, batch: RolloutBatch, logp_old, logp_ref, advantages, weights, keep, generator) -> dict:
+        cfg = self.config.train
+        self.model.train()
+        rows = len(batch)
+        size = rows // cfg.minibatches
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        width = batch.prompt_ids.shape[1]
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
+        grad_norms, steps = [], 0
+        for _ in range(cfg.epochs):
+            order = torch.randperm(rows, generator=generator)
+            for start in range(0, rows, size):
+                index = order[start:start + size]
+                coefficients = token_coefficients(keep[index], cfg.loss_agg)
+                if float(coefficients.sum()) == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for part in micro_batches(len(index), cfg.micro_batch_size):
+                    rows_part = index[part]
+                    logp_new, entropy = response_logprobs(self.model, input_ids[rows_part], attention_mask[rows_part],
+                                                          width, with_entropy=cfg.entropy_coef > 0)
+                    terms = ppo_loss(logp_new, logp_old[rows_part], advantages[rows_part], weights[rows_part],
+                                     coefficients[part], cfg.clip_eps, cfg.clip_eps_high,
+                                     cfg.kl_coef, None if logp_ref is None else logp_ref[rows_part],
+                                     cfg.entropy_coef, entropy)
+                    terms.loss.backward()
+                    share = len(rows_part) / len(index)
+                    for key in totals:
+                        value = float(terms.loss.detach()) if key == "loss" else getattr(terms, key)
+                        totals[key] += value if key in ("loss", "pg_loss", "kl", "entropy") else value * share
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+                self.optimizer.step()
+                steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        averaged = {k: v / max(steps, 1) for k, v in totals.items()}
+        return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
+
+    # ------------------------------------------------------------------ metrics
+    def _rollout_metrics(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+        lengths = batch.response_lengths.float()
+        kv = batch.kv
+        return {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": float((rewards >= 1.0).float().mean()),
+            "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
+            "truncated_frac": float((~batch.ended).float().mean()),
+            "kv_peak_bytes": kv.kv_peak_bytes, "kv_dense_bytes": kv.kv_dense_bytes,
+            "kv_peak_frac": kv.kv_peak_bytes / max(kv.kv_dense_bytes, 1),
+            "kv_kept_tokens_mean": float(kv.kept_tokens.mean()),
+            "kv_evicted_tokens_mean": float(kv.evicted_tokens.mean()),
+            "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
+            "kv_compressions": kv.compressions,
+            "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
+        }
+
+    def _length_edges(self) -> list[int]:
+        top = self.max_new_tokens
+        return [math.ceil(top * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]

@@ -1,0 +1,182 @@
+"""The rollout engine, dense and sparse: log-probs, exactness, padding, positions, memory, replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from conftest import make_tiny_model
+from sparserl.recompute import response_logprobs
+from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.kv_policies import POLICIES
+from sparserl.rollout.replay import replay_logprobs
+from sparserl.tasks.pointer_walk import PointerWalkTask
+
+ALL_POLICIES = sorted(POLICIES)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_model()
+
+
+def _prompts(tokenizer, count=6, letters=8, ragged=True):
+    prompts = [tokenizer(e.prompt).input_ids for e in PointerWalkTask(letters, 12).examples(count, seed=1)]
+    if ragged:  # left padding: rows of different prompt lengths
+        prompts[1] = prompts[1][:6]
+        prompts[3] = prompts[3][:11]
+    return prompts
+
+
+def _sample(model, tokenizer, compression=None, temperature=1.0, max_new=40, seed=0, prompts=None, eos=True):
+    engine = RolloutEngine(model, compression)
+    sampling = SamplingConfig(max_new, temperature, eos_token_id=tokenizer.eos_token_id if eos else None)
+    return engine.generate(prompts or _prompts(tokenizer), sampling, torch.Generator().manual_seed(seed))
+
+
+def test_dense_sampler_logprobs_match_teacher_forcing(tiny):
+    model, tokenizer = tiny
+    batch = _sample(model, tokenizer)
+    with torch.no_grad():
+        reference, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_ids.shape[1])
+    mask = batch.response_mask.bool()
+    assert mask.sum() > 100
+    assert torch.allclose(batch.sampler_logprobs[mask], reference[mask], atol=1e-5)
+    assert (batch.sampler_logprobs[~mask] == 0).all()
+
+
+def test_sampler_logprob_is_of_the_tempered_distribution(tiny):
+    model, tokenizer = tiny
+    batch = _sample(model, tokenizer, temperature=0.7, max_new=8)
+    with torch.no_grad():
+        logits = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask.long(),
+                       position_ids=(batch.prompt_mask.long().cumsum(1) - 1).clamp(min=0)).logits[:, -1].double()
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(1, batch.response_ids[:, :1]).squeeze(1)
+    assert torch.allclose(batch.sampler_logprobs[:, 0].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_huge_budget_is_bitwise_dense(tiny, policy, per_head):
+    model, tokenizer = tiny
+    dense = _sample(model, tokenizer)
+    sparse = _sample(model, tokenizer, KVCompression(policy, budget=10**6, window=4, interval=4, per_head=per_head))
+    assert torch.equal(dense.response_ids, sparse.response_ids)
+    assert torch.equal(dense.sampler_logprobs, sparse.sampler_logprobs)
+    assert sparse.kv.compressions == 0
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_padding_is_never_kept_while_real_tokens_remain(tiny, policy, per_head):
+    model, tokenizer = tiny
+    budget = 10
+    batch = _sample(model, tokenizer, KVCompression(policy, budget=budget, window=3, interval=3, per_head=per_head),
+                    eos=False)
+    real = batch.attention_mask.bool()
+    assert batch.evictions, "the budget should force compressions"
+    for event in batch.evictions:
+        kept = event.kept_columns  # [N, Hs, B]
+        kept_real = real.gather(1, kept.flatten(1)).view_as(kept)
+        layer_budget = kept.shape[-1]  # PyramidKV gives each layer its own budget
+        assert layer_budget == POLICIES[policy](window=3).layer_budget(budget, event.layer, len(model.model.layers)) \
+            if policy == "pyramidkv" else layer_budget == budget
+        real_so_far = real[:, : event.first_column].sum(dim=1)  # real tokens cached before the compression
+        expected_real = real_so_far.clamp(max=layer_budget)[:, None].expand_as(kept_real[..., 0])
+        assert torch.equal(kept_real.sum(dim=-1), expected_real)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_memory_bound(tiny, policy):
+    model, tokenizer = tiny
+    budget, interval = 12, 4
+    batch = _sample(model, tokenizer, KVCompression(policy, budget=budget, window=4, interval=interval), eos=False)
+    config = model.config
+    slot_bytes = 2 * len(batch) * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
+    layers = config.num_hidden_layers
+    width = batch.prompt_ids.shape[1]
+    # PyramidKV spreads the budget unevenly over layers; everything else holds one budget per layer.
+    bound = slot_bytes * layers * (max(width, budget) + interval) if policy != "pyramidkv" else \
+        slot_bytes * sum(max(width, b) + interval for b in
+                         [POLICIES[policy](window=4).layer_budget(budget, i, layers) for i in range(layers)])
+    assert batch.kv.kv_peak_bytes <= bound
+    assert batch.kv.kv_dense_bytes == slot_bytes * layers * (width + batch.response_ids.shape[1])
+    assert batch.kv.kv_peak_bytes < 0.6 * batch.kv.kv_dense_bytes
+    top_budget = POLICIES[policy](window=4).layer_budget(budget, 0, layers) if policy == "pyramidkv" else budget
+    assert (batch.kv.kept_tokens <= top_budget + interval).all()
+    assert torch.allclose(batch.kv.kept_tokens + batch.kv.evicted_tokens,
+                          (batch.attention_mask.sum(1) - 1).float())
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_replay_reproduces_sampler_logprobs_with_gradients(tiny, policy, per_head):
+    model, tokenizer = tiny
+    batch = _sample(model, tokenizer, KVCompression(policy, budget=10, window=3, interval=3, per_head=per_head))
+    assert batch.kv.compressions > 0
+    replayed = replay_logprobs(model, batch)
+    mask = batch.response_mask.bool()
+    assert (replayed - batch.sampler_logprobs).abs()[mask].max() <= 1e-5
+    (replayed * batch.response_mask).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    # The dense recompute of the same tokens differs: eviction really changed the sampler.
+    with torch.no_grad():
+        dense, _ = response_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_ids.shape[1])
+    assert (dense - batch.sampler_logprobs).abs()[mask].max() > 1e-3
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_positions_after_eviction_match_a_brute_force_recompute(policy):
+    """One layer, so the kept set is the whole context: re-running plain HF attention over just the
+    kept tokens, each at its original position, must give the sampler's greedy tokens and log-probs."""
+    model, tokenizer = make_tiny_model(seed=3, num_hidden_layers=1)
+    prompts = _prompts(tokenizer, count=4)
+    batch = _sample(model, tokenizer, KVCompression(policy, budget=9, window=3, interval=3), temperature=0.0,
+                    max_new=24, prompts=prompts, eos=False)
+    assert batch.evictions
+    ids, real = batch.input_ids, batch.attention_mask.bool()
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    width = batch.prompt_ids.shape[1]
+    events = sorted(batch.evictions, key=lambda e: e.first_column)
+    for row in range(len(batch)):
+        for step in range(1, int(batch.response_lengths[row])):
+            query = width + step - 1  # the column fed to produce response token `step`
+            held = [e for e in events if e.first_column <= query]
+            if held:
+                last = held[-1]
+                context = sorted(set(last.kept_columns[row, 0].tolist()) | set(range(last.first_column, query + 1)))
+            else:
+                context = list(range(query + 1))
+            context = [c for c in context if real[row, c]]
+            with torch.no_grad():
+                logits = model(input_ids=ids[row, context][None], position_ids=positions[row, context][None]).logits
+            logp = torch.log_softmax(logits[0, -1].double(), dim=-1)
+            token = batch.response_ids[row, step]
+            assert int(logp.argmax()) == int(token)
+            assert abs(float(logp[token]) - float(batch.sampler_logprobs[row, step])) < 1e-5
+
+
+def _tiny_gemma3():
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
+                              layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                           "full_attention"], max_position_embeddings=256, pad_token_id=0)
+    return Gemma3ForCausalLM(config).eval()
+
+
+def test_hybrid_model_compresses_only_full_attention_layers(tiny):
+    _, tokenizer = tiny
+    model = _tiny_gemma3()
+    dense = _sample(model, tokenizer, max_new=30, eos=False)
+    with torch.no_grad():
+        reference, _ = response_logprobs(model, dense.input_ids, dense.attention_mask, dense.prompt_ids.shape[1])
+    assert (dense.sampler_logprobs - reference).abs()[dense.response_mask.bool()].max() < 1e-5
+    sparse = _sample(model, tokenizer, KVCompression("snapkv", budget=10, window=3, interval=3), max_new=30, eos=False)
+    assert {e.layer for e in sparse.evictions} == {3}
+    by_type = sparse.kv.kv_peak_bytes_by_layer_type
+    assert by_type["sliding_attention"] > 0 and by_type["full_attention"] > 0
+    replayed = replay_logprobs(model, sparse)
+    assert (replayed - sparse.sampler_logprobs).abs()[sparse.response_mask.bool()].max() <= 1e-5
