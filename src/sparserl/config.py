@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -185,7 +186,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, raw in values.items():
         name = key.replace("-", "_")
         if name not in index:
-            close = [k for k in index if k.startswith(name[:3])][:5]
+            close = difflib.get_close_matches(name, list(index), n=3, cutoff=0.6)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}; `sparserl train --help` lists them all")
         section, annotation, _ = index[name]
@@ -205,15 +206,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(error, 'problem', error)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
     flat: dict[str, Any] = {}
     section_names = _sections()
     for key, value in data.items():
-        if key in section_names:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path}: section {key!r} must be a mapping")
+        # `task` and `model` are both section and field names: a mapping is the section, a scalar the field.
+        if key in section_names and isinstance(value, dict):
             flat.update(value)
         else:
             flat[key] = value

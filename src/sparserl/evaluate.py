@@ -78,7 +78,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
                          config.rollout.temperature, config.train.seed)
         report[mode] = part
     headline = report[modes[0]]
-    report.update({k: v for k, v in headline.items() if not isinstance(v, dict)})
+    report.update(headline)
     report["inference"] = modes[0] if len(modes) == 1 else "both (headline: dense)"
     return report
 

@@ -1,0 +1,343 @@
+"""Time one GRPO training step of ours against TRL's `GRPOTrainer`, same model, task and batch, in one run.
+
+    python bench/train_step.py --steps 3 --threads 2 [--model DIR] [--json FILE] [--profile]
+
+Both trainers get the same weights (the built-in architecture, randomly initialised with --seed and
+saved to a temp dir, or --model DIR), the same pointer_walk prompts and reward, the same batch
+(--prompts x --group samples of exactly --new-tokens tokens), float32, beta=0 (no reference model),
+one optimizer step per rollout batch, AdamW at the same lr, grad clip 1.0, no gradient checkpointing,
+no logging, eval or checkpoints. Each gets --warmup untimed steps, then --steps timed ones; the table
+shows the median.
+
+Forcing every response to --new-tokens tokens (the char tokenizer's EOS is `$`, which a random model
+samples now and then):
+- ours: the bench sets `trainer.tokenizer.eos_token = None` after building the trainer, so
+  `train_step` builds `SamplingConfig(eos_token_id=None)` and the engine never stops early (the
+  trainer has no `ignore_eos` option; this is the only thing the bench changes);
+- TRL: `generation_kwargs={"min_new_tokens": N}` with `max_completion_length=N`; transformers'
+  min-new-tokens processor masks every EOS id TRL passes to `generate` (the tokenizer's `$`) until N
+  tokens, so no completion ends or gets masked early. (Setting `eos_token_id` in generation_kwargs
+  would not do: TRL masks completions after its own `eos_token_ids`, which always hold the
+  tokenizer's EOS.)
+
+What each step contains:
+- ours (`sparserl.trainer.GRPOTrainer.train_step`): rollout (own KV-cache decode loop) -> decode +
+  reward -> recompute (a no-grad forward for pi_old) -> update (forward with grad, backward, clip, AdamW).
+- TRL (`trl.GRPOTrainer`, timed from `on_step_begin` to `on_step_end`): `_generate_and_score_completions`
+  (`model.generate`, decode, reward, advantages; with num_iterations=1 and steps_per_generation=1 TRL
+  skips the old-logprob forward and uses the detached current logprobs), then one forward (fused LM
+  head with log-probs + entropy) with grad, backward, clip, AdamW, LR scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import logging
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per trainer (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per trainer first (default 1)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads for both (default 2)")
+    p.add_argument("--model", default=None, help="an HF model dir (with tokenizer); default: built-in arch, random init")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens per response, forced (default 256)")
+    p.add_argument("--letters", type=int, default=12, help="pointer_walk letters (default 12)")
+    p.add_argument("--hops", type=int, default=32, help="pointer_walk hops (default 32)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--only", choices=("both", "ours", "trl"), default="both")
+    p.add_argument("--profile", action="store_true", help="cProfile our timed steps and print the top functions")
+    p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--json", default=None, help="write the numbers to this JSON file")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------- model
+def prepare_model_dir(args, root: Path) -> Path:
+    if args.model:
+        return Path(args.model).expanduser()
+    from transformers import LlamaForCausalLM
+
+    from sparserl.models import builtin_model_config
+    from sparserl.tasks.tokenizer import build_char_tokenizer
+
+    torch.manual_seed(args.seed)
+    tokenizer = build_char_tokenizer()
+    model = LlamaForCausalLM(builtin_model_config(len(tokenizer)))
+    path = root / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- ours
+class Ours:
+    """Our trainer, built once; `step(k)` runs and times `GRPOTrainer.train_step(k)`."""
+
+    def __init__(self, args, model_dir: Path, root: Path):
+        from sparserl.config import load_config
+        from sparserl.trainer import GRPOTrainer
+
+        self.args = args
+        config = load_config(None, {
+            "model": str(model_dir), "dtype": "float32", "threads": args.threads,
+            "task": "pointer_walk", "difficulty": args.letters, "hops": args.hops,
+            "max_new_tokens": args.new_tokens,
+            "mode": "dense", "prompts_per_step": args.prompts, "group_size": args.group,
+            "minibatches": 1, "epochs": 1, "micro_batch_size": args.prompts * args.group,
+            "kl_coef": 0.0, "entropy_coef": 0.0, "lr": args.lr, "grad_clip": 1.0, "weight_decay": 0.0,
+            "loss_agg": "seq-mean-token-mean", "temperature": 1.0, "seed": args.seed,
+            "steps": args.warmup + args.steps, "eval_every": 0, "eval_examples": 1, "log_with": "none",
+            "out": str(root / "ours"),
+        })
+        self.trainer = GRPOTrainer(config)
+        # The one bench-only change: no EOS, so every response runs to max_new_tokens (see module doc).
+        self.trainer.tokenizer.eos_token = None
+        assert self.trainer.tokenizer.eos_token_id is None
+        self.profiler = cProfile.Profile() if args.profile else None
+        self.records: list[dict] = []
+
+    def step(self, step: int) -> None:
+        timed = step > self.args.warmup
+        torch.set_num_threads(self.args.threads)
+        if timed and self.profiler:
+            self.profiler.enable()
+        started = time.perf_counter()
+        metrics = self.trainer.train_step(step)
+        wall = time.perf_counter() - started
+        if timed and self.profiler:
+            self.profiler.disable()
+        self.trainer.state.step = step
+        if timed:
+            self.records.append({"wall_s": wall, **{k: float(metrics[k]) for k in (
+                "rollout_s", "recompute_s", "update_s", "step_s", "response_len_mean", "truncated_frac",
+                "optimizer_steps", "reward_mean")}})
+
+    def result(self) -> dict:
+        self.trainer.logger.close()
+        args, records = self.args, self.records
+        tokens = args.prompts * args.group * records[0]["response_len_mean"]
+        out = summarize(records, "wall_s", tokens)
+        mid = median_record(records, "wall_s")  # phases of the median step, so they add up to it
+        out["phases"] = {k: mid[k] for k in ("rollout_s", "recompute_s", "update_s")}
+        out["phases"]["other_s"] = mid["wall_s"] - sum(out["phases"].values())
+        out["response_len_mean"] = records[0]["response_len_mean"]
+        out["optimizer_steps"] = records[0]["optimizer_steps"]
+        if self.profiler:
+            out["profile"] = profile_text(self.profiler, args.profile_top, len(records))
+        return out
+
+
+# ---------------------------------------------------------------------------------------- TRL
+def run_trl(args, model_dir: Path, root: Path, after_step=None) -> dict:
+    """TRL's trainer for warmup + steps steps; `after_step(k)` runs after its step k, outside the timing."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from sparserl.tasks.pointer_walk import PointerWalkTask
+
+    task = PointerWalkTask(letters=args.letters, hops=args.hops)
+    total_steps = args.warmup + args.steps
+    # Distinct prompts for every step, like ours (which draws fresh examples per step).
+    examples = task.examples(args.prompts * total_steps, seed=args.seed, split="train")
+    dataset = Dataset.from_list([{"prompt": e.prompt, "label": e.label} for e in examples])
+
+    def pointer_walk_reward(prompts, completions, label, **kwargs):
+        return task.reward(completions, label=label)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = GRPOConfig(
+        output_dir=str(root / "trl"), use_cpu=True, bf16=False, fp16=False, seed=args.seed,
+        per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        max_steps=total_steps, max_completion_length=args.new_tokens,
+        generation_kwargs={"min_new_tokens": args.new_tokens},
+        temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, loss_type="grpo", scale_rewards="group", epsilon=0.2, mask_truncated_completions=False,
+        learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
+        max_grad_norm=1.0, gradient_checkpointing=False, shuffle_dataset=False,
+        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
+        log_completions=False, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[pointer_walk_reward],
+                          args=config, train_dataset=dataset)
+
+    steps: list[dict] = []
+    current: dict = {}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args_, state, control, **kwargs):
+            current.clear()
+            current["start"] = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            steps.append({**current, "wall_s": time.perf_counter() - current["start"]})
+            if after_step is not None:
+                after_step(len(steps))
+                torch.set_num_threads(args.threads)
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            result = fn(*a, **kw)
+            current[name] = current.get(name, 0.0) + time.perf_counter() - t
+            if name == "generate_and_score_s":
+                current["completion_tokens"] = float(result["completion_mask"].sum())
+                current["completion_width"] = int(result["completion_ids"].shape[1])
+            return result
+        return wrapper
+
+    # Phase timers: instance attributes shadow the methods; the step itself is untouched.
+    trainer._generate_and_score_completions = timed("generate_and_score_s", trainer._generate_and_score_completions)
+    trainer._generate = timed("generate_s", trainer._generate)
+    trainer.remove_callback(PrinterCallback)  # disable_tqdm prints a log dict at the end otherwise
+    trainer.add_callback(StepTimer())
+    torch.set_num_threads(args.threads)
+    trainer.train()
+
+    records = steps[args.warmup:]
+    if len(records) != args.steps:
+        raise RuntimeError(f"TRL ran {len(steps)} steps, expected {total_steps}")
+    tokens = records[0]["completion_tokens"]
+    out = summarize(records, "wall_s", tokens)
+    mid = median_record(records, "wall_s")
+    gen, gas = mid["generate_s"], mid["generate_and_score_s"]
+    out["phases"] = {"generate_s": gen, "score_s": gas - gen, "update_s": mid["wall_s"] - gas}
+    out["response_len_mean"] = tokens / (args.prompts * args.group)
+    out["completion_width"] = records[0]["completion_width"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+def med(records: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in records)
+
+
+def median_record(records: list[dict], key: str) -> dict:
+    """The record whose `key` is the (lower) median."""
+    ordered = sorted(records, key=lambda r: r[key])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def summarize(records: list[dict], key: str, tokens: float) -> dict:
+    step = med(records, key)
+    return {"step_s": step, "min_step_s": min(r[key] for r in records), "steps_s": [r[key] for r in records],
+            "tokens_per_step": tokens, "tokens_per_s": tokens / step}
+
+
+def contention_probe(threads: int, repeats: int = 200) -> float:
+    """Median ms of one tiny linear at `threads` threads: it balloons when the cores are shared."""
+    torch.set_num_threads(threads)
+    x, w = torch.randn(64, 128), torch.randn(384, 128)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def profile_text(profiler: cProfile.Profile, top: int, steps: int) -> str:
+    buffer = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buffer)
+    buffer.write(f"cProfile over {steps} timed step(s) of ours, by total time in the function itself:\n")
+    stats.sort_stats("tottime").print_stats(top)
+    buffer.write("by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(top)
+    return buffer.getvalue()
+
+
+def table(results: dict, args) -> str:
+    ours, trl = results.get("ours"), results.get("trl")
+    n = args.prompts * args.group
+    lines = [f"GRPO step, {n} samples ({args.prompts} prompts x {args.group}) x {args.new_tokens} new tokens, "
+             f"float32, {args.threads} threads, median of {args.steps} step(s) after {args.warmup} warm-up",
+             "",
+             "| trainer | step s (median) | min | each step s | tokens/step | tokens/s (median) "
+             "| phases of the median step (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in (("sparserl", ours), ("TRL GRPOTrainer", trl)):
+        if r is None:
+            continue
+        phases = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in r["phases"].items())
+        steps = " / ".join(f"{s:.2f}" for s in r["steps_s"])
+        lines.append(f"| {name} | {r['step_s']:.2f} | {r['min_step_s']:.2f} | {steps} | {r['tokens_per_step']:.0f} | "
+                     f"{r['tokens_per_s']:.0f} | {phases} |")
+    if ours and trl:
+        lines.append("")
+        lines.append(f"ratio ours/TRL step time: **{results['ratio']:.2f}x** median, "
+                     f"{ours['min_step_s'] / trl['min_step_s']:.2f}x min "
+                     f"(rollout ours/TRL generate: {ours['phases']['rollout_s'] / trl['phases']['generate_s']:.2f}x; "
+                     f"recompute+update ours/TRL update: "
+                     f"{(ours['phases']['recompute_s'] + ours['phases']['update_s']) / trl['phases']['update_s']:.2f}x)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    results: dict = {"args": vars(args), "load_avg_start": os.getloadavg(),
+                     "probe_ms_start": contention_probe(args.threads),
+                     "versions": {"torch": torch.__version__}}
+    with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
+        root = Path(tmp)
+        model_dir = prepare_model_dir(args, root)
+        ours = Ours(args, model_dir, root) if args.only in ("both", "ours") else None
+        if args.only in ("both", "trl"):
+            import transformers
+            import trl
+            results["versions"].update(trl=trl.__version__, transformers=transformers.__version__)
+            # Interleaved: after TRL's step k (outside its timer) ours runs its step k, so background
+            # load on a shared machine falls on both alike.
+            results["trl"] = run_trl(args, model_dir, root, after_step=ours.step if ours else None)
+        else:
+            for step in range(1, args.warmup + args.steps + 1):
+                ours.step(step)
+        if ours:
+            results["ours"] = ours.result()
+    results["probe_ms_end"] = contention_probe(args.threads)
+    results["load_avg_end"] = os.getloadavg()
+    if "ours" in results and "trl" in results:
+        results["ratio"] = results["ours"]["step_s"] / results["trl"]["step_s"]
+    print(table(results, args))
+    print(f"\nload average (1/5/15 min) at start {tuple(round(x, 2) for x in results['load_avg_start'])}, "
+          f"at end {tuple(round(x, 2) for x in results['load_avg_end'])}; "
+          f"{os.cpu_count()} CPUs; torch threads {args.threads}")
+    print(f"contention probe (one [64,128]x[128,384] linear, median ms; hundredths of a ms on free cores, ms when the cores are shared): "
+          f"start {results['probe_ms_start']:.3f}, end {results['probe_ms_end']:.3f}")
+    if args.profile and "ours" in results:
+        print()
+        print(results["ours"]["profile"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

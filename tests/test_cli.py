@@ -1,0 +1,215 @@
+"""The `sparserl` command line: help listing, error exits, and `eval` on a tiny model; pass@k."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import typing
+import warnings
+from fractions import Fraction
+
+import pytest
+
+from sparserl import config as config_module
+from sparserl.cli import main
+from sparserl.evaluate import pass_at_k
+
+MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_state(monkeypatch):
+    # main() installs its own warning formatter; put it back after each test.
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help to the terminal width
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _entries(help_text: str) -> dict[str, str]:
+    """flag -> its help entry (the flag's line plus continuation lines), from argparse output."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        match = re.match(r"^  (-{1,2}[\w-]+)", line)
+        if match:
+            current = match.group(1)
+            entries[current] = line
+        elif current and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def _all_fields() -> list[tuple[str, object]]:
+    """(name, default) of every leaf field of every config section."""
+    out = []
+    for section in dataclasses.fields(config_module.ExperimentConfig):
+        cls = typing.get_type_hints(config_module.ExperimentConfig)[section.name]
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append((f.name, default))
+    return out
+
+
+# ----------------------------------------------------------------------------- help
+def test_train_help_lists_every_config_field_with_its_default(capsys):
+    entries = _entries(_help(capsys, "train"))
+    fields = _all_fields()
+    assert len(fields) > 40
+    for name, default in fields:
+        flag = "--" + name.replace("_", "-")
+        assert flag in entries, f"{flag} missing from train --help"
+        assert f"(default: {default})" in entries[flag], entries[flag]
+    assert "INT" in entries["--kv-budget"] and "(default: 32)" in entries["--kv-budget"]
+    assert "(default: 0.0001)" in entries["--veto-threshold"]
+    assert "{seq-mean-token-mean,token-mean}" in entries["--loss-agg"]
+    assert "(default: seq-mean-token-mean)" in entries["--loss-agg"]
+    assert "{" + ",".join(MODES) + "}" in entries["--mode"]
+    assert "(default: dense)" in entries["--mode"]
+    assert "(default: (0.5, 1.5))" in entries["--band"]
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("train", ("--out", "--steps", "--mode", "--seed", "--config", "--resume")),
+    ("eval", ("--out", "--model", "--n", "--kv-policy", "--kv-budget", "--kv-interval", "--samples")),
+    ("warmup", ("--out",)),
+])
+def test_subcommand_flags(capsys, command, flags):
+    entries = _entries(_help(capsys, command))
+    for flag in flags:
+        assert flag in entries, f"{flag} missing from {command} --help"
+
+
+def test_eval_has_one_out_flag(capsys):
+    text = _help(capsys, "eval")
+    assert len(re.findall(r"^  --out\b", text, flags=re.M)) == 1
+
+
+# ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("argv, key", [
+    (["train", "--kv-budget", "abc"], "kv_budget"),
+    (["train", "--mode", "bogus"], "mode"),
+    (["train", "--steps", "1.5"], "steps"),
+    (["train", "--band", "0.5"], "band"),
+    (["train", "--kv-budget", "4", "--kv-window", "8"], "kv_budget"),
+    (["eval", "--out", "x.json", "--kv-per-head", "maybe"], "kv_per_head"),
+])
+def test_bad_flag_value_exits_2_with_one_line(capsys, tmp_path, argv, key):
+    code = main(argv + (["--out", str(tmp_path / "run")] if argv[0] == "train" else []))
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "config error:" in err and key in err
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_unknown_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--kv-budgett", "3"])
+    assert info.value.code == 2
+
+
+def test_eval_missing_model_says_what_to_do(capsys, tmp_path):
+    code = main(["eval", "--out", str(tmp_path / "e.json"), "--model", "/nonexistent", "--n", "1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "/nonexistent" in err
+    assert "--model" in err and "save_pretrained" in err  # the remedy
+    assert not (tmp_path / "e.json").exists()
+
+
+# ----------------------------------------------------------------------------- eval
+EVAL_ARGS = ["--n", "4", "--samples", "2", "--difficulty", "3", "--hops", "4", "--threads", "1"]
+
+
+def _check_headline(part: dict, n_samples: int) -> None:
+    for key in ("accuracy", "max_prompt_tokens", "max_total_tokens", "mean_response_tokens", "pass_at_k"):
+        assert key in part, key
+    assert 0.0 <= part["accuracy"] <= 1.0
+    # pointer_walk prompt with 3 letters: "^" + 3 links of 2 chars + "|" + start = 9 characters.
+    assert part["max_prompt_tokens"] == 9
+    # response bound for 4 hops: 3*4 + 3 = 15 characters, + 6 slack = 21 new tokens at most.
+    assert 1 <= part["mean_response_tokens"] <= 21
+    assert part["max_prompt_tokens"] < part["max_total_tokens"] <= part["max_prompt_tokens"] + 21
+    pass_k = part["pass_at_k"]
+    assert set(pass_k) == {"pass@1", "pass@2"}
+    assert 0.0 <= pass_k["pass@1"] <= pass_k["pass@2"] <= 1.0
+    # With 2 samples, per example pass@1 = c/2 and pass@2 = [c>0]; the mean of c/2 over examples is
+    # the sampled accuracy.
+    assert pass_k["pass@1"] == pytest.approx(part["sampled_accuracy"])
+
+
+def test_eval_dense(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "sub" / "dense.json"
+    assert main(["eval", "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS]) == 0
+    result = json.loads(out.read_text())
+    assert result["inference"] == "dense"
+    assert result["examples"] == 4
+    assert result["max_new_tokens"] == 21
+    _check_headline(result["dense"], 2)
+    for key in ("accuracy", "max_prompt_tokens", "max_total_tokens", "mean_response_tokens"):
+        assert result[key] == result["dense"][key]
+    assert "kv" not in result["dense"]
+    # stdout is JSON too (the non-nested part).
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["accuracy"] == result["accuracy"]
+
+
+def test_eval_sparse(tiny_model_dir, tmp_path):
+    out = tmp_path / "sparse.json"
+    argv = ["eval", "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS,
+            "--kv-budget", "8", "--kv-interval", "2", "--kv-window", "2"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["inference"] == "sparse"
+    part = result["sparse"]
+    _check_headline(part, 2)
+    kv = part["kv"]
+    assert kv["budget"] == 8 and kv["window"] == 2 and kv["interval"] == 2
+    assert 0 < kv["kv_peak_bytes"] <= kv["kv_dense_bytes"]
+    # Sequences of up to 30 tokens with a budget of 8 (+ interval 2) must evict something.
+    assert kv["kv_peak_bytes"] < kv["kv_dense_bytes"]
+    assert kv["evicted_tokens_mean"] > 0
+
+
+def test_eval_top_level_has_pass_at_k_and_kv(tiny_model_dir, tmp_path):
+    out = tmp_path / "sparse.json"
+    argv = ["eval", "--out", str(out), "--model", str(tiny_model_dir), "--n", "1", "--samples", "1",
+            "--difficulty", "3", "--hops", "2", "--threads", "1", "--kv-budget", "8", "--kv-window", "2"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert "pass_at_k" in result and "kv" in result
+
+
+# ----------------------------------------------------------------------------- pass@k
+def _brute_pass_at_k(n: int, c: int, k: int) -> Fraction:
+    """Fraction of the k-subsets of n samples (the first c correct) holding at least one correct."""
+    subsets = list(itertools.combinations(range(n), k))
+    hits = sum(any(i < c for i in subset) for subset in subsets)
+    return Fraction(hits, len(subsets))
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(float(_brute_pass_at_k(n, c, k)), abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_hand_values():
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    # n=5, c=2, k=1: c/n = 0.4
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(3, 0, 3) == 0.0
+    assert pass_at_k(3, 1, 3) == 1.0

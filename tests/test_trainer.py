@@ -1,0 +1,119 @@
+"""The GRPO trainer end to end through the CLI: modes, resume equality (also after SIGKILL), skips."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparserl.cli import main
+from sparserl.config import MODES
+from sparserl.metrics_log import read_metrics
+
+TIMING_KEYS = {"rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac"}
+
+
+def _args(model_dir, out, steps, mode="dense", extra=()):
+    return ["train", "--model", str(model_dir), "--out", str(out), "--steps", str(steps), "--mode", mode,
+            "--seed", "3", "--prompts-per-step", "4", "--group-size", "4", "--difficulty", "4", "--hops", "6",
+            "--eval-examples", "8", "--eval-every", "2", "--checkpoint-every", "2", "--threads", "1",
+            "--kv-budget", "10", "--kv-window", "3", "--kv-interval", "3", "--log-with", "none", "--lr", "3e-3",
+            # A random model earns no reward; the entropy bonus gives every step a real gradient.
+            "--entropy-coef", "0.05",
+            *extra]
+
+
+def _without_timings(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    assert main(_args(tiny_model_dir, tmp_path / "straight", 4, "sparse-rl")) == 0
+    assert main(_args(tiny_model_dir, tmp_path / "resumed", 2, "sparse-rl")) == 0
+    assert main(_args(tiny_model_dir, tmp_path / "resumed", 4, "sparse-rl", ["--resume"])) == 0
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in straight] == [0, 1, 2, 3, 4]
+    assert _without_timings(straight) == _without_timings(resumed)
+    # Training moved the weights, identically in both runs.
+    a = load_file(tmp_path / "straight" / "checkpoints" / "step_000004" / "policy" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "checkpoints" / "step_000004" / "policy" / "model.safetensors")
+    c = load_file(Path(tiny_model_dir) / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    steps = 24
+    assert main(_args(tiny_model_dir, tmp_path / "straight", steps)) == 0
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "sparserl.cli", *_args(tiny_model_dir, killed, steps)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(killed / "metrics.jsonl")) < 8:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    done = len(read_metrics(killed / "metrics.jsonl")) - 1
+    assert 0 < done < steps, "the run should have been killed part-way"
+    assert main(_args(tiny_model_dir, killed, steps, extra=["--resume"])) == 0
+    assert _without_timings(read_metrics(tmp_path / "straight" / "metrics.jsonl")) == \
+        _without_timings(read_metrics(killed / "metrics.jsonl"))
+    leftovers = [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert len(leftovers) <= 1  # at most the one a kill interrupted, and never read back
+
+
+def test_naive_sparse_with_a_huge_budget_equals_dense(tiny_model_dir, tmp_path):
+    assert main(_args(tiny_model_dir, tmp_path / "dense", 2, "dense")) == 0
+    assert main(_args(tiny_model_dir, tmp_path / "sparse", 2, "naive-sparse", ["--kv-budget", "1000000"])) == 0
+    dense = _without_timings(read_metrics(tmp_path / "dense" / "metrics.jsonl"))
+    sparse = _without_timings(read_metrics(tmp_path / "sparse" / "metrics.jsonl"))
+    for record in dense + sparse:  # eval under "sparse" inference uses each run's own budget
+        record.pop("eval_accuracy_sparse", None)
+    assert dense == sparse
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
+    assert main(_args(tiny_model_dir, tmp_path / mode, 1, mode)) == 0
+    record = read_metrics(tmp_path / mode / "metrics.jsonl")[-1]
+    for key in ("step", "reward_mean", "reward_std", "accuracy", "response_len_mean", "loss", "pg_loss",
+                "clip_frac", "kl", "grad_norm", "rollout_s", "recompute_s", "update_s", "tokens_per_s",
+                "xi_mean", "xi_min", "xi_q05", "logppl_sampler", "logppl_old", "kl_sampler_old", "veto_frac",
+                "band_mask_frac", "ess", "kv_peak_bytes", "kv_dense_bytes", "kv_kept_tokens_mean",
+                "skipped_steps", "eval_accuracy_dense", "eval_accuracy_sparse"):
+        assert key in record, key
+    sparse = mode != "dense"
+    assert (record["kv_peak_bytes"] < record["kv_dense_bytes"]) == sparse
+    assert (tmp_path / mode / "checkpoints" / "step_000001" / "policy" / "model.safetensors").exists()
+
+
+def test_a_batch_with_every_token_rejected_skips_the_update(tiny_model_dir, tmp_path):
+    out = tmp_path / "starved"
+    # A band that excludes xi = 1 rejects every token, whatever the sampler did.
+    with pytest.warns(UserWarning, match="skipping the update"):
+        assert main(_args(tiny_model_dir, out, 2, "sparse-rl", ["--band", "2.0,3.0"])) == 0
+    records = read_metrics(out / "metrics.jsonl")[1:]
+    assert [r["skipped"] for r in records] == [1, 1]
+    assert records[-1]["skipped_steps"] == 2
+    assert all(r["kept_token_frac"] == 0 for r in records)
+    before = load_file(Path(tiny_model_dir) / "model.safetensors")
+    after = load_file(out / "checkpoints" / "step_000002" / "policy" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_reference_model_only_when_kl_is_on(tiny_model_dir, tmp_path):
+    from sparserl.config import load_config
+    from sparserl.trainer import GRPOTrainer
+
+    common = dict(model=str(tiny_model_dir), out=str(tmp_path / "x"), log_with="none", eval_every=0,
+                  difficulty=4, hops=6)
+    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.0})).reference is None
+    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.01})).reference is not None
