@@ -74,7 +74,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
                     "max_new_tokens": max_new_tokens}
     for mode in modes:
         compression = kv_compression(config) if mode == "sparse" else None
-        part = _eval_one(model, tokenizer, task, examples, max_new_tokens, compression, samples,
+        part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                          config.rollout.temperature, config.train.seed)
         report[mode] = part
     headline = report[modes[0]]
@@ -83,7 +83,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     return report
 
 
-def _eval_one(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
+def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
               compression: KVCompression | None, samples: int, temperature: float, seed: int) -> dict:
     greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression)
     correct = [r >= 1.0 for r in task.reward(greedy.texts, **reward_columns(examples))]

@@ -95,3 +95,22 @@ def prepare_tokenizer(tokenizer, model: PreTrainedModel) -> None:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def convert_gguf(gguf_dir: str | Path, gguf_file: str, out: str | Path) -> Path:
+    """Load a GGUF checkpoint with transformers and save it as a plain, trainable model directory.
+
+    transformers keeps GGUF-loaded models flagged as quantized and refuses `save_pretrained`, so
+    the weights are copied into a fresh model built from the same config without that flag.
+    """
+    gguf_dir, out = Path(gguf_dir), Path(out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
