@@ -7,13 +7,18 @@ saved to a temp dir, or --model DIR), the same pointer_walk prompts and reward, 
 (--prompts x --group samples of exactly --new-tokens tokens), float32, beta=0 (no reference model),
 one optimizer step per rollout batch, AdamW at the same lr, grad clip 1.0, no gradient checkpointing,
 no logging, eval or checkpoints. Each gets --warmup untimed steps, then --steps timed ones; the table
-shows the median.
+shows the median (and the min). The two are interleaved: TRL's `trainer.train()` drives the loop and,
+after each TRL step (outside TRL's timer), ours runs its step of the same index, so load from other
+jobs on a shared machine falls on both alike.
+
+On a shared 2-core machine, other jobs make multi-threaded torch very slow (OpenMP threads wait on
+a busy core; a 2-thread step went from 2 s to 80-120 s in one run). The run prints a contention
+probe (time of one tiny matmul) and the load average at start and end; if the probe reads in ms
+rather than hundredths of a ms, rerun, or use --threads 1.
 
 Forcing every response to --new-tokens tokens (the char tokenizer's EOS is `$`, which a random model
 samples now and then):
-- ours: the bench sets `trainer.tokenizer.eos_token = None` after building the trainer, so
-  `train_step` builds `SamplingConfig(eos_token_id=None)` and the engine never stops early (the
-  trainer has no `ignore_eos` option; this is the only thing the bench changes);
+- ours: the config option `ignore_eos: true`, so the engine never stops early;
 - TRL: `generation_kwargs={"min_new_tokens": N}` with `max_completion_length=N`; transformers'
   min-new-tokens processor masks every EOS id TRL passes to `generate` (the tokenizer's `$`) until N
   tokens, so no completion ends or gets masked early. (Setting `eos_token_id` in generation_kwargs
@@ -104,12 +109,9 @@ class Ours:
             "kl_coef": 0.0, "entropy_coef": 0.0, "lr": args.lr, "grad_clip": 1.0, "weight_decay": 0.0,
             "loss_agg": "seq-mean-token-mean", "temperature": 1.0, "seed": args.seed,
             "steps": args.warmup + args.steps, "eval_every": 0, "eval_examples": 1, "log_with": "none",
-            "out": str(root / "ours"),
+            "out": str(root / "ours"), "ignore_eos": True,
         })
         self.trainer = GRPOTrainer(config)
-        # The one bench-only change: no EOS, so every response runs to max_new_tokens (see module doc).
-        self.trainer.tokenizer.eos_token = None
-        assert self.trainer.tokenizer.eos_token_id is None
         self.profiler = cProfile.Profile() if args.profile else None
         self.records: list[dict] = []
 

@@ -21,8 +21,7 @@ def gemma_dir(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("gemma-gguf")
     gguf_path = gemma_gguf.assemble(folder / "gemma-3-270m-q4_k_m.gguf")
-    return convert_gguf(folder, gguf_path.name if hasattr(gguf_path, "name") else "gemma-3-270m-q4_k_m.gguf",
-                        tmp_path_factory.mktemp("gemma-plain"))
+    return convert_gguf(gguf_path.parent, gguf_path.name, tmp_path_factory.mktemp("gemma-plain"))
 
 
 def test_one_sparse_rl_step_on_gemma3(gemma_dir, tmp_path):

@@ -51,9 +51,10 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 16
+    prompts_per_step: int = 8
     group_size: int = 8
     temperature: float = 1.0
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
     kv_policy: str = "rkv"
     kv_budget: int = 32
     kv_window: int = 8
@@ -64,7 +65,7 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     mode: Mode = "dense"
-    steps: int = 60
+    steps: int = 40
     seed: int = 0
     lr: float = 3e-4
     weight_decay: float = 0.0

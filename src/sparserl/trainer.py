@@ -138,7 +138,8 @@ class GRPOTrainer:
         prompts = [self.tokenizer(e.prompt).input_ids for e in examples for _ in range(group)]
         self.model.eval()
         sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
-                                  eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
+                                  eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id)
         batch = self.engine.generate(prompts, sampling, generator)
         texts = decode_responses(self.tokenizer, batch)
         columns = {k: [v for v in values for _ in range(group)] for k, values in reward_columns(examples).items()}
@@ -148,7 +149,16 @@ class GRPOTrainer:
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
         width = batch.prompt_ids.shape[1]
         mb = cfg.train.micro_batch_size
-        logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
+        first_forward = None
+        if cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb:
+            # One optimizer step from one forward: that forward, at the current weights, is the dense
+            # recompute of π_old, so it is done once with gradients and reused (as TRL does).
+            self.model.train()
+            first_forward = response_logprobs(self.model, input_ids, attention_mask, width,
+                                              with_entropy=cfg.train.entropy_coef > 0)
+            logp_old = first_forward[0].detach()
+        else:
+            logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
         logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
                     if self.reference is not None else None)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
@@ -171,7 +181,8 @@ class GRPOTrainer:
             update = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
                       "ratio_mean": 1.0, "grad_norm": 0.0, "optimizer_steps": 0}
         else:
-            update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator)
+            update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator,
+                                  first_forward)
         update_s = time.perf_counter() - update_started
 
         counts = self.reward.pop_counts()
@@ -192,7 +203,9 @@ class GRPOTrainer:
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
-    def _update(self, batch: RolloutBatch, logp_old, logp_ref, advantages, weights, keep, generator) -> dict:
+    def _update(self, batch: RolloutBatch, logp_old, logp_ref, advantages, weights, keep, generator,
+                first_forward=None) -> dict:
+        """PPO epochs over shuffled minibatches; `first_forward` is the already-run forward of a fused step."""
         cfg = self.config.train
         self.model.train()
         rows = len(batch)
@@ -202,7 +215,7 @@ class GRPOTrainer:
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
         grad_norms, steps = [], 0
         for _ in range(cfg.epochs):
-            order = torch.randperm(rows, generator=generator)
+            order = torch.arange(rows) if first_forward is not None else torch.randperm(rows, generator=generator)
             for start in range(0, rows, size):
                 index = order[start:start + size]
                 coefficients = token_coefficients(keep[index], cfg.loss_agg)
@@ -211,8 +224,9 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for part in micro_batches(len(index), cfg.micro_batch_size):
                     rows_part = index[part]
-                    logp_new, entropy = response_logprobs(self.model, input_ids[rows_part], attention_mask[rows_part],
-                                                          width, with_entropy=cfg.entropy_coef > 0)
+                    logp_new, entropy = first_forward if first_forward is not None else response_logprobs(
+                        self.model, input_ids[rows_part], attention_mask[rows_part], width,
+                        with_entropy=cfg.entropy_coef > 0)
                     terms = ppo_loss(logp_new, logp_old[rows_part], advantages[rows_part], weights[rows_part],
                                      coefficients[part], cfg.clip_eps, cfg.clip_eps_high,
                                      cfg.kl_coef, None if logp_ref is None else logp_ref[rows_part],

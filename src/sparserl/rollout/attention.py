@@ -62,8 +62,16 @@ def attend(
     provider.observe(layer_idx, query, key, mask)
     # Group queries under their KV head, so that per-KV-head masks broadcast without copying keys.
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)
-    grouped_mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, k_len)
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=grouped_mask, scale=scaling)
+    grouped_mask = mask if q_len == 1 else \
+        mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, k_len)
+    if q_len == 1:
+        # One decode token: a plain matmul and softmax beats the CPU SDPA kernel's per-call overhead (~12%
+        # of a rollout), and every decode step, dense or sparse, takes this same path.
+        scores = (grouped @ key.transpose(-1, -2)) * (scaling if scaling is not None else head_dim ** -0.5)
+        probs = scores.masked_fill(~grouped_mask, float("-inf")).softmax(dim=-1)
+        out = probs.to(value.dtype) @ value
+    else:
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=grouped_mask, scale=scaling)
     out = out.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
     return out, None
 

@@ -98,6 +98,11 @@ class BufferLayer(CacheLayerMixin):
     def visible(self, query_columns: torch.Tensor) -> torch.Tensor:
         """Bool `[N, Hs, Q, K]`: slot k is visible to a query if real and not after it (or itself)."""
         columns, real = self.columns[:, :, : self.length], self.real[:, :, : self.length]
+        if query_columns.shape[1] == 1 and self.sliding_window is None:
+            # Decoding: every cached slot precedes the query, which sits in the last slot.
+            seen = real.clone()
+            seen[:, :, -1] = True
+            return seen[:, :, None, :]
         q = query_columns[:, None, :, None]
         k = columns[:, :, None, :]
         seen = real[:, :, None, :] & (k <= q)
