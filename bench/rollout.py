@@ -1,8 +1,8 @@
 """Time our rollout engine, dense against every sparse KV policy (and HF `generate`), in one run.
 
     python bench/rollout.py --threads 1 [--quick] [--models builtin,30m] [--lengths 512,1024,2048,4096]
-                            [--policies h2o,pyramidkv,rkv,snapkv,streamingllm] [--batch 32] [--json FILE]
-                            [--profile MODEL:L:POLICY]
+                            [--policies h2o,pyramidkv,rkv,snapkv,streamingllm] [--lengths-30m 4096]
+                            [--policies-30m ...] [--hf-30m] [--batch 32] [--json FILE] [--profile MODEL:L:POLICY]
 
 For each model and each total length L (prompt + response), every row of a batch of --batch rows gets
 a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS disabled), with:
@@ -25,9 +25,12 @@ share of the rollout spent compressing (`kv.compress_seconds / rollout_seconds`)
 our tokens/s over HF generate's. Each configuration runs once (after one untimed warm-up per model);
 eviction records are off (`record_evictions=False`, as the trainer runs).
 
-The full default run takes about 25 minutes at --threads 1 on the 2-core bench machine. To fit, the 30m
-model runs a reduced set of policies (--policies-30m, default rkv,snapkv,streamingllm); the builtin model
-runs them all.
+Time: the 30m model decodes at only ~300-600 tokens/s on one core (its matmuls, 1.9 GFLOP per step at
+batch 32, dominate), so one 30m rollout at L=4096 takes 5-8 minutes and HF generate there ~15. To keep
+the full default run near 25 minutes at --threads 1 on the 2-core bench machine, the 30m model runs a
+reduced set: L=4096 only (--lengths-30m), dense and the rkv reference row, no B=L/4 policies
+(--policies-30m) and no HF generate (--hf-30m). The builtin model runs every policy at every length.
+`--quick` (builtin, L 512 and 1024, about 1 minute) is the smoke run.
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", default="512,1024,2048,4096", help="total lengths L = 64 + response (default 512..4096)")
     p.add_argument("--policies", default=",".join(sorted(POLICIES)),
                    help="KV policies at B = L/4 for the builtin model (default all registered)")
-    p.add_argument("--policies-30m", default="rkv,snapkv,streamingllm",
-                   help="KV policies at B = L/4 for the 30m model (default rkv,snapkv,streamingllm, to fit the time)")
+    p.add_argument("--lengths-30m", default="4096",
+                   help="total lengths for the 30m model (default 4096 only, to fit the time budget)")
+    p.add_argument("--policies-30m", default="",
+                   help="KV policies at B = L/4 for the 30m model (default none: dense + the rkv reference row only)")
+    p.add_argument("--hf-30m", action="store_true",
+                   help="also run HF generate on the 30m model (off by default: ~15 min at L=4096)")
     p.add_argument("--batch", type=int, default=32, help="rows per rollout, 32..64 (default 32)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate peer rows")
@@ -83,8 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for m in args.model_list:
         if m not in ALL_MODELS:
             p.error(f"unknown model {m!r}; choose from {ALL_MODELS}")
-    args.length_list = [int(x) for x in args.lengths.split(",") if x]
-    for length in args.length_list:
+    args.length_lists = {"builtin": [int(x) for x in args.lengths.split(",") if x],
+                         "30m": [int(x) for x in args.lengths_30m.split(",") if x]}
+    for length in args.length_lists["builtin"] + args.length_lists["30m"]:
         if length <= PROMPT_LEN or length % 32:
             p.error(f"length {length} must be a multiple of 32 above {PROMPT_LEN}")
     args.policy_lists = {"builtin": [x for x in args.policies.split(",") if x],
@@ -171,19 +179,23 @@ def configs_for(args, model_name: str, length: int):
         rows.append((policy, policy, length // 4, interval))
     if not args.no_reference and length == REFERENCE["length"]:
         rows.append((f"{REFERENCE['policy']} ref", REFERENCE["policy"], REFERENCE["budget"], REFERENCE["interval"]))
-    if not args.no_hf:
+    if hf_enabled(args, model_name):
         rows.append(("HF generate", "hf", None, None))
     return rows
 
 
-def warm_up(model, args, eos: int) -> None:
+def hf_enabled(args, model_name: str) -> bool:
+    return not args.no_hf and (model_name == "builtin" or args.hf_30m)
+
+
+def warm_up(model, model_name: str, args, eos: int) -> None:
     """One short untimed rollout of each kind, so first-call costs stay out of the table."""
     from sparserl.rollout.engine import KVCompression
 
     prompts = make_prompts(args.batch, model.config.vocab_size, args.seed + 999)
     run_ours(model, prompts, 192, None, 0)
     run_ours(model, prompts, 192, KVCompression("rkv", budget=64, window=WINDOW, interval=16), 0)
-    if not args.no_hf:
+    if hf_enabled(args, model_name):
         run_hf(model, prompts, 96, 0, eos)
 
 
@@ -200,8 +212,8 @@ def bench(args) -> list[dict]:
               f"{model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, "
               f"{model.config.num_attention_heads} heads / {model.config.num_key_value_heads} KV heads, "
               f"HF attention {model.config._attn_implementation}", file=sys.stderr, flush=True)
-        warm_up(model, args, eos)
-        for length in args.length_list:
+        warm_up(model, model_name, args, eos)
+        for length in args.length_lists[model_name]:
             prompts = make_prompts(args.batch, model.config.vocab_size, args.seed + length)
             dense = None
             for label, policy, budget, interval in configs_for(args, model_name, length):
@@ -242,9 +254,19 @@ def table(rows: list[dict], args, reduced: bool) -> str:
                f"(EOS off), float32, {args.threads} torch thread(s), one run per row; sparse rows: "
                f"B = L/4, window {WINDOW}, interval Δ = max(8, L/32) (16/32/64/128 at L = 512/1024/2048/4096); "
                f"`rkv ref` = B 512, Δ 128, w {WINDOW} at L = 4096.")
-    if reduced:
-        caption += (f" Policies per model: builtin {','.join(args.policy_lists['builtin'])}; "
-                    f"30m {','.join(args.policy_lists['30m'])} (reduced set to fit the time budget).")
+    if "30m" in args.model_list:
+        def describe(m):
+            parts = [f"L {'/'.join(map(str, args.length_lists[m]))}", "dense"]
+            parts += args.policy_lists[m]
+            if not args.no_reference and REFERENCE["length"] in args.length_lists[m]:
+                parts.append("rkv ref")
+            if hf_enabled(args, m):
+                parts.append("HF generate")
+            return ", ".join(parts)
+        caption += f" Rows per model: builtin: {describe('builtin')}; 30m: {describe('30m')}"
+        if reduced:
+            caption += " (30m reduced to fit the ~25 min budget at 1 thread)"
+        caption += "."
     lines = [caption, "",
              "| model | L | config | B | Δ | peak KV MiB | dense KV MiB | peak/dense | bound (B+Δ)/L | ≤ 1.1×bound "
              "| tok/s | rollout s | speedup vs dense | compress share | dense / HF |",
@@ -379,7 +401,9 @@ def main(argv=None) -> int:
     results["probe_ms_end"] = contention_probe(args.threads)
     results["load_avg_end"] = os.getloadavg()
     results["wall_s"] = time.perf_counter() - started
-    reduced = "30m" in args.model_list and set(args.policy_lists["30m"]) != set(args.policy_lists["builtin"])
+    reduced = "30m" in args.model_list and (
+        set(args.policy_lists["30m"]) != set(args.policy_lists["builtin"])
+        or args.length_lists["30m"] != args.length_lists["builtin"] or not hf_enabled(args, "30m"))
     print(table(rows, args, reduced))
     print()
     text, results["goals"] = goals(rows)

@@ -28,7 +28,7 @@ def mode_config(config: ExperimentConfig, mode: str, run_dir: Path) -> Experimen
     return dataclasses.replace(
         config,
         train=dataclasses.replace(config.train, mode=mode),
-        output=dataclasses.replace(config.output, out=str(run_dir)),
+        output=dataclasses.replace(config.output, out=str(run_dir), eval_sparse_inference=True),
     )
 
 

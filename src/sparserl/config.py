@@ -89,6 +89,8 @@ class OutputConfig:
     keep_checkpoints: int = 2
     eval_every: int = 10
     eval_examples: int = 200
+    # Also evaluate under sparse inference (this run's KV settings) on eval steps; `compare` always does.
+    eval_sparse_inference: bool = False
     log_with: str = "tensorboard"  # comma-separated: tensorboard, trackio, wandb, none
 
 

@@ -34,6 +34,8 @@ from .tasks.registry import max_new_tokens, task_from_config
 log = logging.getLogger(__name__)
 SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
 LENGTH_BUCKETS = 4
+# Metrics of what the mode actually trained on; the rest describe the mismatch (the same in every mode).
+APPLIED_METRICS = ("kept_token_frac", "kept_tokens", "ess", "weight_mean", "weight_max")
 
 
 def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
@@ -120,12 +122,14 @@ class GRPOTrainer:
         return self.state
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out greedy accuracy under dense and under sparse inference (same policy and budget)."""
+        """Held-out greedy accuracy under dense inference, and under sparse inference if asked."""
         self.model.eval()
-        dense = greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples, self.max_new_tokens)
-        sparse = greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples, self.max_new_tokens,
-                                 compression=self.compression)
-        return {"eval_accuracy_dense": dense, "eval_accuracy_sparse": sparse}
+        result = {"eval_accuracy_dense": greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples,
+                                                         self.max_new_tokens)}
+        if self.config.output.eval_sparse_inference:
+            result["eval_accuracy_sparse"] = greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples,
+                                                             self.max_new_tokens, compression=self.compression)
+        return result
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict[str, float]:
@@ -162,6 +166,8 @@ class GRPOTrainer:
         logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
                     if self.reference is not None else None)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
+        # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
+        flagged = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, cfg.correction)
         included = None if cfg.train.rejected_in_baseline else corrections.seq_keep
         advantages = group_advantages(rewards, group, included)
         recompute_s = time.perf_counter() - recompute_started
@@ -192,8 +198,9 @@ class GRPOTrainer:
             "step": step,
             **self._rollout_metrics(batch, rewards),
             **update,
-            **corrections.metrics,
-            **rejection_by_length(batch.response_lengths, corrections.seq_keep, self._length_edges()),
+            **flagged.metrics,
+            **{key: corrections.metrics[key] for key in APPLIED_METRICS},
+            **rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()),
             "rejected_token_frac": rejected,
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
             **counts,
