@@ -172,14 +172,13 @@ class RKV(KVPolicy):
         return self.lam * importance - (1.0 - self.lam) * self.redundancy(inputs.keys, real, columns)
 
     def redundancy(self, keys: torch.Tensor, real: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        keys = keys.float()
-        unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+        # O(L^2) per compression, so as few full passes over the [N, Hkv, L, L] matrix as possible:
+        # zeroed padding keys give zero similarity, and the diagonal is subtracted instead of masked.
+        unit = torch.nn.functional.normalize(keys.float(), dim=-1) * real[..., None]
         sim = unit @ unit.transpose(-1, -2)  # [N, Hkv, L, L]
-        length = keys.shape[2]
-        others = real[..., :, None] & real[..., None, :] & ~torch.eye(length, dtype=torch.bool, device=keys.device)
         newer_twin = (sim > self.similarity_threshold) & (columns[..., :, None] > columns[..., None, :])
-        sim = sim.masked_fill(~others | newer_twin, 0.0)
-        mean_sim = sim.sum(dim=-1) / others.sum(dim=-1).clamp_min(1)
+        total = torch.where(newer_twin, 0.0, sim).sum(dim=-1) - torch.diagonal(sim, dim1=-2, dim2=-1)
+        mean_sim = total / (real.sum(dim=-1, keepdim=True) - 1).clamp_min(1)
         return mean_sim.masked_fill(~real, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
 
