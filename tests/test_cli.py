@@ -69,7 +69,7 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
         flag = "--" + name.replace("_", "-")
         assert flag in entries, f"{flag} missing from train --help"
         assert f"(default: {default})" in entries[flag], entries[flag]
-    assert "INT" in entries["--kv-budget"] and "(default: 32)" in entries["--kv-budget"]
+    assert "INT" in entries["--kv-budget"] and "(default: 56)" in entries["--kv-budget"]
     assert "(default: 0.0001)" in entries["--veto-threshold"]
     assert "{seq-mean-token-mean,token-mean}" in entries["--loss-agg"]
     assert "(default: seq-mean-token-mean)" in entries["--loss-agg"]

@@ -33,7 +33,7 @@ def test_defaults_match_the_spec_reference_values():
     assert config.rollout.group_size == 8
     # Project defaults (the laptop experiment of SPEC §6).
     assert config.train.mode == "dense"
-    assert config.rollout.kv_budget == 32
+    assert config.rollout.kv_budget == 56
     assert config.rollout.kv_window == 8
     assert config.rollout.kv_interval == 8
     assert config.rollout.kv_per_head is False

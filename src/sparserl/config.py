@@ -56,7 +56,7 @@ class RolloutConfig:
     temperature: float = 1.0
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
     kv_policy: str = "rkv"
-    kv_budget: int = 32
+    kv_budget: int = 56
     kv_window: int = 8
     kv_interval: int = 8
     kv_per_head: bool = False  # False: one kept set per layer, scores summed over KV heads (reference)
@@ -65,7 +65,7 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     mode: Mode = "dense"
-    steps: int = 40
+    steps: int = 60
     seed: int = 0
     lr: float = 3e-4
     weight_decay: float = 0.0
