@@ -44,3 +44,4 @@ def test_compare_resumes_by_skipping_finished_modes(tiny_model_dir, tmp_path, ca
     assert "already done" in caplog.text
     assert (out / "dense" / "final_eval.json").read_text() == before
     assert (out / "sparse-rl" / "final_eval.json").exists()
+    assert json.loads((out / "compare.json").read_text())["modes"] == ["dense", "sparse-rl"]

@@ -39,10 +39,11 @@ def run_compare(config: ExperimentConfig, modes: list[str]) -> Path:
     out = Path(config.output.out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "compare.json"
-    if not manifest.exists():
-        manifest.write_text(json.dumps({"modes": modes, "config": config.to_dict(),
-                                        "started": datetime.datetime.now().isoformat(timespec="seconds")},
-                                       indent=2, default=list))
+    record = json.loads(manifest.read_text()) if manifest.exists() else {
+        "modes": [], "config": config.to_dict(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    # A comparison extended later with more modes (e.g. the ablations) reports all of them.
+    record["modes"] = record["modes"] + [m for m in modes if m not in record["modes"]]
+    manifest.write_text(json.dumps(record, indent=2, default=list))
     for index, mode in enumerate(modes, start=1):
         run_dir = out / mode
         if (run_dir / FINAL_EVAL).exists():
