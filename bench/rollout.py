@@ -26,10 +26,10 @@ our tokens/s over HF generate's. Each configuration runs once (after one untimed
 eviction records are off (`record_evictions=False`, as the trainer runs).
 
 Time: the 30m model decodes at only ~300-600 tokens/s on one core (its matmuls, 1.9 GFLOP per step at
-batch 32, dominate), so one 30m rollout at L=4096 takes 5-8 minutes and HF generate there ~15. To keep
-the full default run near 25 minutes at --threads 1 on the 2-core bench machine, the 30m model runs a
-reduced set: L=4096 only (--lengths-30m), dense and the rkv reference row, no B=L/4 policies
-(--policies-30m) and no HF generate (--hf-30m). The builtin model runs every policy at every length.
+batch 32, dominate), so one 30m rollout at L=4096 takes 7-10 minutes and HF generate there ~15. To keep
+the full default run near 25 minutes at --threads 1 on the 2-core bench machine (one run took 28: 1666 s,
+992 of them for the two 30m rows), the 30m model runs a reduced set: L=4096 only (--lengths-30m), dense
+and the rkv reference row, no B=L/4 policies (--policies-30m) and no HF generate (--hf-30m). The builtin model runs every policy at every length.
 `--quick` (builtin, L 512 and 1024, about 1 minute) is the smoke run.
 """
 

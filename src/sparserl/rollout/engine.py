@@ -173,8 +173,10 @@ class RolloutEngine:
         comp = self.compression
         num_layers = len(_decoder_layers(model))
         budgets = [self.policy.layer_budget(comp.budget, i, num_layers) for i in range(num_layers)] if comp else None
-        capacity = max(width, max(budgets)) + comp.interval if comp else width + steps
-        cache = build_cache(model, batch, min(capacity, width + steps), bool(comp and comp.per_head),
+        # Each layer holds at most max(prompt, its budget) + interval slots; dense holds everything.
+        capacities = [min(max(width, b) + comp.interval, width + steps) for b in budgets] if comp \
+            else [width + steps] * num_layers
+        cache = build_cache(model, batch, capacities, bool(comp and comp.per_head),
                             dtype, device, full_capacity=width + steps)
         provider = _RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
                                      keep_mass=bool(comp and self.policy.needs_attention_mass))

@@ -171,21 +171,22 @@ class BufferCache(Cache):
         return sum(2 * layer.batch * layer.kv_heads * layer.head_dim * layer.keys.element_size() for layer in self.layers)
 
 
-def build_cache(model, batch: int, max_capacity: int, selection_heads_per_layer: bool,
+def build_cache(model, batch: int, capacities: list[int], per_head_selection: bool,
                 dtype: torch.dtype, device: torch.device, full_capacity: int) -> BufferCache:
-    """One buffer layer per decoder layer; sliding-window layers get the dense `full_capacity`."""
+    """One buffer layer per decoder layer, holding up to `capacities[i]` slots; sliding-window
+    layers get the dense `full_capacity`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layers = []
-    for layer_type in layer_types[: config.num_hidden_layers]:
+    for layer_type, capacity in zip(layer_types[: config.num_hidden_layers], capacities):
         sliding = layer_type == "sliding_attention" and window is not None
         layers.append(BufferLayer(
             batch, kv_heads, head_dim,
-            max_capacity=full_capacity if sliding else max_capacity,
-            selection_heads=kv_heads if selection_heads_per_layer and not sliding else 1,
+            max_capacity=full_capacity if sliding else capacity,
+            selection_heads=kv_heads if per_head_selection and not sliding else 1,
             dtype=dtype, device=device, sliding_window=window if sliding else None,
         ))
     return BufferCache(layers)
