@@ -43,13 +43,14 @@ import json
 import logging
 import os
 import pstats
-import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from common import contention_probe
 
 PROMPT_LEN = 64
 WINDOW = 8
@@ -340,18 +341,6 @@ def goals(rows: list[dict]) -> tuple[str, dict]:
                        if sparse else "4. compression ≤ 10% of rollout time", share),
              goal_line(f"5. dense tok/s ≥ HF generate (ratios {span(r['vs_hf'] for r in dense)})", hf)]
     return "\n".join(lines), summary
-
-
-def contention_probe(threads: int, repeats: int = 200) -> float:
-    """Median ms of one tiny linear at `threads` threads: it balloons when the cores are shared."""
-    torch.set_num_threads(threads)
-    x, w = torch.randn(64, 128), torch.randn(384, 128)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def profile(args, spec: str) -> str:

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from common import contention_probe
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -243,18 +245,6 @@ def summarize(records: list[dict], key: str, tokens: float) -> dict:
     step = med(records, key)
     return {"step_s": step, "min_step_s": min(r[key] for r in records), "steps_s": [r[key] for r in records],
             "tokens_per_step": tokens, "tokens_per_s": tokens / step}
-
-
-def contention_probe(threads: int, repeats: int = 200) -> float:
-    """Median ms of one tiny linear at `threads` threads: it balloons when the cores are shared."""
-    torch.set_num_threads(threads)
-    x, w = torch.randn(64, 128), torch.randn(384, 128)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def profile_text(profiler: cProfile.Profile, top: int, steps: int) -> str:
