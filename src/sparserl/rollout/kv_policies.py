@@ -38,7 +38,7 @@ class ScoringInputs:
     queries: torch.Tensor  # [N, Hq, w, D] post-RoPE queries of the last w fed tokens (observation window)
     query_real: torch.Tensor  # [N, w] bool, False where a window query was padding
     real: torch.Tensor  # [N, Hs, L] bool, False for padding slots
-    columns: torch.Tensor  # [N, Hs, L] long, the slot's column in the sequence (larger is more recent)
+    columns: torch.Tensor  # [N, Hs, L] long, the slot's column (larger is more recent); increasing along L
     attention_mass: torch.Tensor | None  # [N, Hkv, L] attention received so far (H2O), else None
     layer_idx: int
     num_layers: int
@@ -166,18 +166,20 @@ class RKV(KVPolicy):
         self.importance = SnapKV(kernel_size=kernel_size, pooling=pooling)
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
-        real, columns = inputs.per_kv_head()
+        real, _ = inputs.per_kv_head()
         attention = self.importance.score(inputs).masked_fill(~real, 0.0)
         importance = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        return self.lam * importance - (1.0 - self.lam) * self.redundancy(inputs.keys, real, columns)
+        return self.lam * importance - (1.0 - self.lam) * self.redundancy(inputs.keys, real)
 
-    def redundancy(self, keys: torch.Tensor, real: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         # O(L^2) per compression, so as few full passes over the [N, Hkv, L, L] matrix as possible:
         # zeroed padding keys give zero similarity, and the diagonal is subtracted instead of masked.
+        # Slots are in column order (ScoringInputs), so "i is newer than j" is the strict lower triangle.
         unit = torch.nn.functional.normalize(keys.float(), dim=-1) * real[..., None]
         sim = unit @ unit.transpose(-1, -2)  # [N, Hkv, L, L]
-        newer_twin = (sim > self.similarity_threshold) & (columns[..., :, None] > columns[..., None, :])
-        total = torch.where(newer_twin, 0.0, sim).sum(dim=-1) - torch.diagonal(sim, dim1=-2, dim2=-1)
+        diagonal = torch.diagonal(sim, dim1=-2, dim2=-1).clone()
+        newer_twin = torch.tril(sim > self.similarity_threshold, diagonal=-1)
+        total = sim.masked_fill_(newer_twin, 0.0).sum(dim=-1) - diagonal
         mean_sim = total / (real.sum(dim=-1, keepdim=True) - 1).clamp_min(1)
         return mean_sim.masked_fill(~real, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
