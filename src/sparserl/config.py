@@ -60,6 +60,11 @@ class RolloutConfig:
     kv_window: int = 8
     kv_interval: int = 8
     kv_per_head: bool = False  # False: one kept set per layer, scores summed over KV heads (reference)
+    kv_lambda: float = 0.1  # R-KV: weight of importance against redundancy
+    kv_similarity_threshold: float = 0.5  # R-KV: key cosine similarity above which the older twin is redundant
+    kv_kernel_size: int = 7  # SnapKV, R-KV, PyramidKV: 1-D pooling kernel over positions (odd)
+    kv_pooling: Literal["max", "mean"] = "max"  # SnapKV, R-KV, PyramidKV: pooling over query heads and positions
+    kv_sinks: int = 4  # StreamingLLM: attention-sink tokens always kept
 
 
 @dataclass

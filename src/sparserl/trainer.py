@@ -9,7 +9,6 @@ what makes a resumed run repeat an uninterrupted one exactly.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 import warnings
@@ -31,7 +30,6 @@ from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, Sampling
 from .tasks.base import reward_columns
 from .tasks.registry import max_new_tokens, task_from_config
 
-log = logging.getLogger(__name__)
 SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
 LENGTH_BUCKETS = 4
 # Metrics of what the mode actually trained on; the rest describe the mismatch (the same in every mode).
@@ -52,8 +50,10 @@ def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
 
 def kv_compression(config: ExperimentConfig) -> KVCompression:
     r = config.rollout
+    options = (("lam", r.kv_lambda), ("similarity_threshold", r.kv_similarity_threshold),
+               ("kernel_size", r.kv_kernel_size), ("pooling", r.kv_pooling), ("sinks", r.kv_sinks))
     return KVCompression(policy=r.kv_policy, budget=r.kv_budget, window=r.kv_window,
-                         interval=r.kv_interval, per_head=r.kv_per_head)
+                         interval=r.kv_interval, per_head=r.kv_per_head, policy_options=options)
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -46,9 +46,11 @@ class KVCompression:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown kv_policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         cls = POLICIES[self.policy]
-        options = dict(self.policy_options)
+        accepted = inspect.signature(cls).parameters
+        # Options are shared by all policies (from the config); each takes the ones it has.
+        options = {k: v for k, v in self.policy_options if k in accepted}
         # Policies that shape budgets around the recent window (PyramidKV) must see the engine's window.
-        if "window" in inspect.signature(cls).parameters:
+        if "window" in accepted:
             options.setdefault("window", self.window)
         return cls(**options)
 
