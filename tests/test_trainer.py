@@ -136,3 +136,16 @@ def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, t
     # Adam's first step is about ±lr per weight whatever the gradient's size, so compare gradients instead.
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert a["grad_norm"] > 0
+
+
+def test_kept_vs_vetoed_diagnostics_by_hand():
+    from sparserl.trainer import _flagged_vs_kept
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    lengths = torch.tensor([10, 20, 30, 40])
+    keep = torch.tensor([True, True, False, False])
+    assert _flagged_vs_kept(rewards, lengths, keep) == {
+        "reward_kept_mean": 0.5, "response_len_kept_mean": 15.0,
+        "reward_vetoed_mean": 0.5, "response_len_vetoed_mean": 35.0}
+    assert _flagged_vs_kept(rewards, lengths, torch.ones(4, dtype=torch.bool)) == {
+        "reward_kept_mean": 0.5, "response_len_kept_mean": 25.0}

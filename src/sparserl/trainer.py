@@ -191,6 +191,7 @@ class GRPOTrainer:
                                   first_forward)
         update_s = time.perf_counter() - update_started
 
+        diagnostics = _flagged_vs_kept(rewards, batch.response_lengths, flagged.seq_keep)
         counts = self.reward.pop_counts()
         self.state.reward_failures += counts["reward_failures"]
         self.state.reward_timeouts += counts["reward_timeouts"]
@@ -201,6 +202,7 @@ class GRPOTrainer:
             **flagged.metrics,
             **{key: corrections.metrics[key] for key in APPLIED_METRICS},
             **rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()),
+            **diagnostics,
             "rejected_token_frac": rejected,
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
             **counts,
@@ -271,3 +273,13 @@ class GRPOTrainer:
     def _length_edges(self) -> list[int]:
         top = self.max_new_tokens
         return [math.ceil(top * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]
+
+
+def _flagged_vs_kept(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: torch.Tensor) -> dict[str, float]:
+    """Reward and length of the rollouts the veto would keep vs reject: does it separate good from bad?"""
+    out = {}
+    for name, rows in (("kept", seq_keep), ("vetoed", ~seq_keep)):
+        if bool(rows.any()):
+            out[f"reward_{name}_mean"] = float(rewards[rows].mean())
+            out[f"response_len_{name}_mean"] = float(lengths[rows].float().mean())
+    return out
