@@ -193,3 +193,29 @@ def test_policy_parameters_reach_the_policies():
     assert (policy.importance.kernel_size, policy.importance.pooling) == (5, "mean")
     sinks = kv_compression(load_config(None, {"kv_policy": "streamingllm", "kv_sinks": 2})).build_policy()
     assert sinks.sinks == 2
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
+    """R-KV keeps its similarity row sums between compressions; at every compression of a real
+    rollout they must give what recomputing the whole similarity matrix gives."""
+    from sparserl.rollout.kv_policies import RKV
+
+    class CheckedRKV(RKV):
+        checked = 0
+
+        def score(self, inputs):
+            scores = super().score(inputs)
+            real, _ = inputs.per_kv_head()
+            kept_up = self._distribution(self._row_sums[inputs.layer_idx], real)
+            assert torch.allclose(kept_up, self.redundancy(inputs.keys, real), atol=1e-6)
+            CheckedRKV.checked += 1
+            return scores
+
+    model, tokenizer = tiny
+    engine = RolloutEngine(model, KVCompression("rkv", budget=10, window=3, interval=3, per_head=per_head))
+    engine.policy = CheckedRKV(similarity_threshold=0.2)  # a low threshold exercises the sparing rule
+    sampling = SamplingConfig(40, 1.0, eos_token_id=None)
+    for seed in (0, 1):  # a second rollout must not reuse the first one's sums
+        engine.generate(_prompts(tokenizer), sampling, torch.Generator().manual_seed(seed))
+    assert CheckedRKV.checked > 20

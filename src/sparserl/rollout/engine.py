@@ -191,6 +191,8 @@ class RolloutEngine:
         stats = KVStats()
         evictions: list[EvictionEvent] = []
         since_compression = 0
+        if self.policy is not None:
+            self.policy.begin_rollout()
         fed_tokens = prompt_lengths.clone()
 
         with masked_attention(model, provider):
@@ -255,6 +257,7 @@ class RolloutEngine:
                 layer_idx=layer_idx, num_layers=len(cache.layers),
             )
             slots = select_slots(self.policy.score(inputs), inputs.real, inputs.columns, budget, comp.window)
+            self.policy.before_keep(inputs, slots)
             layer.keep(slots)
             provider.after_keep(layer_idx, slots)
             if self.record_evictions:

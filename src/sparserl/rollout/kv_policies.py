@@ -62,6 +62,12 @@ class KVPolicy:
     def layer_budget(self, budget: int, layer_idx: int, num_layers: int) -> int:
         return budget
 
+    def begin_rollout(self) -> None:
+        """Forget any state kept from a previous rollout."""
+
+    def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
+        """Called with the inputs just scored and the slots `[N, Hs, B]` about to be kept."""
+
 
 @register
 class StreamingLLM(KVPolicy):
@@ -155,6 +161,10 @@ class RKV(KVPolicy):
     when column_i > column_j, and the older token i keeps it counted. Then redundancy_i is the mean
     of the row sim[i, j] over the other real slots j, turned into a distribution by a softmax
     over the real slots (as the reference does).
+
+    The row sums are kept between compressions of a rollout: each compression adds the rows and
+    columns of the slots appended since the last one and removes those of the evicted slots,
+    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix.
     """
 
     name = "rkv"
@@ -164,24 +174,69 @@ class RKV(KVPolicy):
         self.lam = lam
         self.similarity_threshold = similarity_threshold
         self.importance = SnapKV(kernel_size=kernel_size, pooling=pooling)
+        self._row_sums: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L] for the slots scored last
+
+    def begin_rollout(self) -> None:
+        self._row_sums = {}
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         real, _ = inputs.per_kv_head()
         attention = self.importance.score(inputs).masked_fill(~real, 0.0)
         importance = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        return self.lam * importance - (1.0 - self.lam) * self.redundancy(inputs.keys, real)
+        sums = self._update_row_sums(inputs.layer_idx, _unit_keys(inputs.keys, real))
+        return self.lam * importance - (1.0 - self.lam) * self._distribution(sums, real)
 
     def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        # O(L^2) per compression, so as few full passes over the [N, Hkv, L, L] matrix as possible:
-        # zeroed padding keys give zero similarity, and the diagonal is subtracted instead of masked.
-        # Slots are in column order (ScoringInputs), so "i is newer than j" is the strict lower triangle.
-        unit = torch.nn.functional.normalize(keys.float(), dim=-1) * real[..., None]
-        sim = unit @ unit.transpose(-1, -2)  # [N, Hkv, L, L]
-        diagonal = torch.diagonal(sim, dim1=-2, dim2=-1).clone()
-        newer_twin = torch.tril(sim > self.similarity_threshold, diagonal=-1)
-        total = sim.masked_fill_(newer_twin, 0.0).sum(dim=-1) - diagonal
-        mean_sim = total / (real.sum(dim=-1, keepdim=True) - 1).clamp_min(1)
+        """The redundancy distribution `[N, Hkv, L]` computed from scratch."""
+        unit = _unit_keys(keys, real)
+        return self._distribution(self._pair_sums(unit, unit, 0), real)
+
+    def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
+        """Remove the evicted slots' similarity from the kept rows, then keep those rows."""
+        sums = self._row_sums[inputs.layer_idx]
+        n, heads, length = sums.shape
+        slots = slots.expand(n, heads, -1)
+        kept = torch.zeros(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, True)
+        evicted = (~kept).float().argsort(dim=-1, descending=True, stable=True)[..., : length - slots.shape[-1]]
+        unit = _unit_keys(inputs.keys, inputs.per_kv_head()[0])
+        gather = lambda index: unit.gather(2, index[..., None].expand(-1, -1, -1, unit.shape[-1]))  # noqa: E731
+        sim = gather(slots) @ gather(evicted).transpose(-1, -2)  # [N, Hkv, B, E]
+        evicted_older = evicted[..., None, :] < slots[..., :, None]
+        counted = torch.where((sim > self.similarity_threshold) & evicted_older, 0.0, sim)
+        self._row_sums[inputs.layer_idx] = sums.gather(2, slots) - counted.sum(dim=-1)
+
+    def _update_row_sums(self, layer: int, unit: torch.Tensor) -> torch.Tensor:
+        previous = self._row_sums.get(layer)
+        old = 0 if previous is None else previous.shape[2]
+        new_rows = self._pair_sums(unit[:, :, old:], unit, old)  # the appended slots against all
+        if previous is not None:
+            # Old rows gain the appended slots, which are newer, so always counted.
+            new_cols = unit[:, :, :old] @ unit[:, :, old:].transpose(-1, -2)
+            previous = previous + new_cols.sum(dim=-1)
+        sums = new_rows if previous is None else torch.cat([previous, new_rows], dim=2)
+        self._row_sums[layer] = sums
+        return sums
+
+    def _pair_sums(self, rows: torch.Tensor, unit: torch.Tensor, first_row: int) -> torch.Tensor:
+        """Row sums of sim(rows, all) without the diagonal and without older near-duplicates.
+
+        Slots are in column order (ScoringInputs), so "j is older than row r" is j < first_row + r.
+        """
+        sim = rows @ unit.transpose(-1, -2)  # [N, Hkv, R, L]
+        row_index = torch.arange(first_row, first_row + rows.shape[2], device=unit.device)
+        older = torch.arange(unit.shape[2], device=unit.device)[None, :] < row_index[:, None]
+        diagonal = sim.diagonal(offset=first_row, dim1=-2, dim2=-1)
+        return sim.masked_fill_((sim > self.similarity_threshold) & older, 0.0).sum(dim=-1) - diagonal
+
+    @staticmethod
+    def _distribution(sums: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        mean_sim = sums / (real.sum(dim=-1, keepdim=True) - 1).clamp_min(1)
         return mean_sim.masked_fill(~real, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+
+
+def _unit_keys(keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Unit-norm keys in float32, zero on padding, so padding adds no similarity."""
+    return torch.nn.functional.normalize(keys.float(), dim=-1) * real[..., None]
 
 
 @register
