@@ -161,6 +161,15 @@ def test_streamingllm_keeps_sinks_and_recent(per_head):
             assert set(kept[n, h].tolist()) == set(by_col[:sinks]) | set(by_col[-(budget - sinks):])
 
 
+def assert_real_scores_match(score, brute, inputs, tol):
+    """Every real slot's score equals the float64 loop's, within `tol`."""
+    for n in range(N):
+        for h in range(HKV):
+            for l in range(L):
+                if real_of(inputs, n, h)[l]:
+                    assert score[n, h, l].item() == pytest.approx(brute[n][h][l], abs=tol)
+
+
 @pytest.mark.parametrize("pooling", ["max", "mean"])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_snapkv_matches_float64_loops(pooling, per_head):
@@ -169,11 +178,7 @@ def test_snapkv_matches_float64_loops(pooling, per_head):
     score = policy.score(inputs)
     brute = brute_snapkv(inputs, 5, pooling)
     assert score.shape == (N, HKV, L) and score.dtype == torch.float32
-    for n in range(N):
-        for h in range(HKV):
-            for l in range(L):
-                if real_of(inputs, n, h)[l]:
-                    assert score[n, h, l].item() == pytest.approx(brute[n][h][l], abs=1e-5)
+    assert_real_scores_match(score, brute, inputs, tol=1e-5)
     kept = select_slots(score, inputs.real, inputs.columns, 10, W)
     assert_valid_topk(kept, brute, inputs, 10, W)
 
@@ -184,11 +189,7 @@ def test_rkv_matches_float64_loops(per_head, lam, threshold):
     inputs = make_inputs(per_head=per_head, seed=1)
     score = RKV(lam=lam, similarity_threshold=threshold, kernel_size=3).score(inputs)
     brute = brute_rkv(inputs, lam, threshold, 3, "max")
-    for n in range(N):
-        for h in range(HKV):
-            for l in range(L):
-                if real_of(inputs, n, h)[l]:
-                    assert score[n, h, l].item() == pytest.approx(brute[n][h][l], abs=1e-6)
+    assert_real_scores_match(score, brute, inputs, tol=1e-6)
     kept = select_slots(score, inputs.real, inputs.columns, 10, W)
     assert_valid_topk(kept, brute, inputs, 10, W, tol=1e-7)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -129,7 +130,6 @@ def save_model(model, tokenizer, out: Path, card: dict) -> None:
     out = out.expanduser()
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
         shutil.rmtree(tmp)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -137,6 +137,5 @@ def save_model(model, tokenizer, out: Path, card: dict) -> None:
     tokenizer.save_pretrained(tmp)
     (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     if out.exists():
-        import shutil
         shutil.rmtree(out)
     tmp.rename(out)
