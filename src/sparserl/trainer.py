@@ -86,9 +86,9 @@ class GRPOTrainer:
         self.state = TrainerState()
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.optimizer)
-        self.sparse = config.train.mode in SPARSE_MODES
         self.compression = kv_compression(config)
-        self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
+        sparse = config.train.mode in SPARSE_MODES
+        self.engine = RolloutEngine(self.model, self.compression if sparse else None,
                                     record_evictions=False)
         self.corrections = mode_corrections(config.train.mode, config.correction)
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
@@ -167,7 +167,8 @@ class GRPOTrainer:
                     if self.reference is not None else None)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
         # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
-        flagged = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, cfg.correction)
+        flagged = corrections if self.corrections == cfg.correction else \
+            compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, cfg.correction)
         included = None if cfg.train.rejected_in_baseline else corrections.seq_keep
         advantages = group_advantages(rewards, group, included)
         recompute_s = time.perf_counter() - recompute_started
