@@ -95,8 +95,7 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
     if samples > 0:
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
                            generator=torch.Generator().manual_seed(seed))
-        columns = {k: [v for v in values for _ in range(samples)] for k, values in reward_columns(examples).items()}
-        hits = [r >= 1.0 for r in task.reward(sampled.texts, **columns)]
+        hits = [r >= 1.0 for r in task.reward(sampled.texts, **reward_columns(examples, samples))]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]
         result["pass_at_k"] = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in per_example) / len(examples)

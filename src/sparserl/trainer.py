@@ -146,8 +146,7 @@ class GRPOTrainer:
                                   pad_token_id=self.tokenizer.pad_token_id)
         batch = self.engine.generate(prompts, sampling, generator)
         texts = decode_responses(self.tokenizer, batch)
-        columns = {k: [v for v in values for _ in range(group)] for k, values in reward_columns(examples).items()}
-        rewards = torch.tensor(self.reward(texts, **columns), dtype=torch.float32)
+        rewards = torch.tensor(self.reward(texts, **reward_columns(examples, group)), dtype=torch.float32)
 
         recompute_started = time.perf_counter()
         input_ids, attention_mask = batch.input_ids, batch.attention_mask

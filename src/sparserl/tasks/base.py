@@ -40,6 +40,8 @@ class Task(Protocol):
         ...
 
 
-def reward_columns(examples: list[Example]) -> dict[str, list[Any]]:
-    """The keyword columns a reward function receives for these examples."""
-    return {"label": [e.label for e in examples], "extra": [e.extra for e in examples]}
+def reward_columns(examples: list[Example], repeat: int = 1) -> dict[str, list[Any]]:
+    """The keyword columns a reward function receives for these examples, each repeated `repeat`
+    times in a row to line up with grouped completions."""
+    return {"label": [e.label for e in examples for _ in range(repeat)],
+            "extra": [e.extra for e in examples for _ in range(repeat)]}
