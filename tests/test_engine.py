@@ -184,14 +184,14 @@ def test_hybrid_model_compresses_only_full_attention_layers(tiny):
 
 def test_policy_parameters_reach_the_policies():
     from sparserl.config import load_config
-    from sparserl.trainer import kv_compression
 
     config = load_config(None, {"kv_policy": "rkv", "kv_lambda": 0.3, "kv_similarity_threshold": 0.8,
                                 "kv_kernel_size": 5, "kv_pooling": "mean"})
-    policy = kv_compression(config).build_policy()
+    policy = KVCompression.from_rollout_config(config.rollout).build_policy()
     assert (policy.lam, policy.similarity_threshold) == (0.3, 0.8)
     assert (policy.importance.kernel_size, policy.importance.pooling) == (5, "mean")
-    sinks = kv_compression(load_config(None, {"kv_policy": "streamingllm", "kv_sinks": 2})).build_policy()
+    streaming = load_config(None, {"kv_policy": "streamingllm", "kv_sinks": 2})
+    sinks = KVCompression.from_rollout_config(streaming.rollout).build_policy()
     assert sinks.sinks == 2
 
 

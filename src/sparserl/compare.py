@@ -14,11 +14,12 @@ import json
 import logging
 from pathlib import Path
 
+from .checkpoint import latest_checkpoint
 from .config import MODES, ConfigError, ExperimentConfig
 from .evaluate import evaluate_policy
 from .metrics_log import METRICS_FILE, read_metrics
-from .checkpoint import latest_checkpoint
-from .trainer import GRPOTrainer, kv_compression
+from .rollout.engine import KVCompression
+from .trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
 FINAL_EVAL = "final_eval.json"
@@ -71,7 +72,7 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
               "train_seconds": sum(r.get("step_s", 0.0) for r in records),
               "rollout_seconds": sum(r.get("rollout_s", 0.0) for r in records)}
     trainer.model.eval()
-    for inference, compression in (("dense", None), ("sparse", kv_compression(config))):
+    for inference, compression in (("dense", None), ("sparse", KVCompression.from_rollout_config(config.rollout))):
         result[inference] = evaluate_policy(trainer.model, trainer.tokenizer, trainer.task, trainer.eval_examples,
                                             trainer.max_new_tokens, compression, samples=0,
                                             temperature=config.rollout.temperature, seed=config.train.seed)

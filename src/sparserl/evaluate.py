@@ -60,7 +60,6 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     """The `sparserl eval` report for `config`'s model and task; see the module docstring."""
     from .models import load_policy
     from .tasks.registry import max_new_tokens as response_bound, task_from_config
-    from .trainer import kv_compression
 
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
@@ -73,7 +72,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     report: dict = {"model": config.model.model or "built-in", "task": task.name, "examples": len(examples),
                     "max_new_tokens": max_new_tokens}
     for mode in modes:
-        compression = kv_compression(config) if mode == "sparse" else None
+        compression = KVCompression.from_rollout_config(config.rollout) if mode == "sparse" else None
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                          config.rollout.temperature, config.train.seed)
         report[mode] = part

@@ -48,14 +48,6 @@ def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
     return base
 
 
-def kv_compression(config: ExperimentConfig) -> KVCompression:
-    r = config.rollout
-    options = (("lam", r.kv_lambda), ("similarity_threshold", r.kv_similarity_threshold),
-               ("kernel_size", r.kv_kernel_size), ("pooling", r.kv_pooling), ("sinks", r.kv_sinks))
-    return KVCompression(policy=r.kv_policy, budget=r.kv_budget, window=r.kv_window,
-                         interval=r.kv_interval, per_head=r.kv_per_head, policy_options=options)
-
-
 def step_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
@@ -86,7 +78,7 @@ class GRPOTrainer:
         self.state = TrainerState()
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.optimizer)
-        self.compression = kv_compression(config)
+        self.compression = KVCompression.from_rollout_config(config.rollout)
         sparse = config.train.mode in SPARSE_MODES
         self.engine = RolloutEngine(self.model, self.compression if sparse else None,
                                     record_evictions=False)

@@ -42,6 +42,15 @@ class KVCompression:
     per_head: bool = False
     policy_options: tuple[tuple[str, object], ...] = ()
 
+    @classmethod
+    def from_rollout_config(cls, rollout) -> KVCompression:
+        """The settings of a `sparserl.config.RolloutConfig` (its `kv_*` fields)."""
+        options = (("lam", rollout.kv_lambda), ("similarity_threshold", rollout.kv_similarity_threshold),
+                   ("kernel_size", rollout.kv_kernel_size), ("pooling", rollout.kv_pooling),
+                   ("sinks", rollout.kv_sinks))
+        return cls(policy=rollout.kv_policy, budget=rollout.kv_budget, window=rollout.kv_window,
+                   interval=rollout.kv_interval, per_head=rollout.kv_per_head, policy_options=options)
+
     def build_policy(self) -> KVPolicy:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown kv_policy {self.policy!r}; choose one of {sorted(POLICIES)}")
