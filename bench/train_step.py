@@ -65,8 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens per response, forced (default 256)")
-    p.add_argument("--letters", type=int, default=12, help="pointer_walk letters (default 12)")
-    p.add_argument("--hops", type=int, default=32, help="pointer_walk hops (default 32)")
+    p.add_argument("--letters", type=int, default=26, help="pointer_walk difficulty: longest cycle (default 26)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both")
     p.add_argument("--profile", action="store_true", help="cProfile our timed steps and print the top functions")
@@ -104,7 +103,7 @@ class Ours:
         self.args = args
         config = load_config(None, {
             "model": str(model_dir), "dtype": "float32", "threads": args.threads,
-            "task": "pointer_walk", "difficulty": args.letters, "hops": args.hops,
+            "task": "pointer_walk", "difficulty": args.letters,
             "max_new_tokens": args.new_tokens,
             "mode": "dense", "prompts_per_step": args.prompts, "group_size": args.group,
             "minibatches": 1, "epochs": 1, "micro_batch_size": args.prompts * args.group,
@@ -157,14 +156,14 @@ def run_trl(args, model_dir: Path, root: Path, after_step=None) -> dict:
 
     from sparserl.tasks.pointer_walk import PointerWalkTask
 
-    task = PointerWalkTask(letters=args.letters, hops=args.hops)
+    task = PointerWalkTask(letters=args.letters)
     total_steps = args.warmup + args.steps
     # Distinct prompts for every step, like ours (which draws fresh examples per step).
     examples = task.examples(args.prompts * total_steps, seed=args.seed, split="train")
-    dataset = Dataset.from_list([{"prompt": e.prompt, "label": e.label} for e in examples])
+    dataset = Dataset.from_list([{"prompt": e.prompt, "demonstration": e.demonstration} for e in examples])
 
-    def pointer_walk_reward(prompts, completions, label, **kwargs):
-        return task.reward(completions, label=label)
+    def pointer_walk_reward(prompts, completions, demonstration, **kwargs):
+        return task.reward(completions, demonstration=demonstration)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

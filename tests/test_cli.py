@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import json
 import re
+import subprocess
+import sys
 import typing
 import warnings
 from fractions import Fraction
@@ -68,14 +70,19 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
     for name, default in fields:
         flag = "--" + name.replace("_", "-")
         assert flag in entries, f"{flag} missing from train --help"
-        assert f"(default: {default})" in entries[flag], entries[flag]
-    assert "INT" in entries["--kv-budget"] and "(default: 56)" in entries["--kv-budget"]
-    assert "(default: 0.0001)" in entries["--veto-threshold"]
+        shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
+        assert f"(default: {shown})" in entries[flag], entries[flag]
+        # A one-line description before the default, not just the default.
+        description = entries[flag].split(None, 2)[2].split("(default:")[0].strip()
+        assert len(description) > 8, entries[flag]
+    assert "INT" in entries["--kv-budget"] and "(default: 80)" in entries["--kv-budget"]
+    assert "(default: 0.0001)" in entries["--veto-threshold"] and "FLOAT|none" in entries["--veto-threshold"]
     assert "{seq-mean-token-mean,token-mean}" in entries["--loss-agg"]
     assert "(default: seq-mean-token-mean)" in entries["--loss-agg"]
     assert "{" + ",".join(MODES) + "}" in entries["--mode"]
     assert "(default: dense)" in entries["--mode"]
-    assert "(default: (0.5, 1.5))" in entries["--band"]
+    assert "(default: 0.5,1.5)" in entries["--band"] and "LOW,HIGH|none" in entries["--band"]
+    assert "{h2o,pyramidkv,rkv,snapkv,streamingllm}" in entries["--kv-policy"]
 
 
 @pytest.mark.parametrize("command, flags", [
@@ -94,6 +101,25 @@ def test_eval_has_one_out_flag(capsys):
     assert len(re.findall(r"^  --out\b", text, flags=re.M)) == 1
 
 
+@pytest.mark.parametrize("command", ["eval", "sweep", "audit"])
+def test_inference_commands_list_only_what_they_use(capsys, command):
+    entries = _entries(_help(capsys, command))
+    for flag in ("--kv-budget", "--model", "--difficulty", "--seed", "--temperature"):
+        assert flag in entries, flag
+    for flag in ("--lr", "--mode", "--steps", "--veto-threshold", "--checkpoint-every", "--group-size"):
+        assert flag not in entries, f"{flag} is a training option, not one of {command}'s"
+
+
+def test_top_level_help_imports_neither_torch_nor_transformers():
+    """`sparserl --help` must answer at once: it builds no command's options and imports no framework."""
+    code = ("import sys, contextlib, io\nfrom sparserl.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: main(['--help'])\n    except SystemExit: pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("argv, key", [
     (["train", "--kv-budget", "abc"], "kv_budget"),
@@ -108,7 +134,7 @@ def test_bad_flag_value_exits_2_with_one_line(capsys, tmp_path, argv, key):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert "config error:" in err and key in err
+    assert err.startswith("sparserl: error:") and key in err
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
@@ -129,18 +155,18 @@ def test_eval_missing_model_says_what_to_do(capsys, tmp_path):
 
 
 # ----------------------------------------------------------------------------- eval
-EVAL_ARGS = ["--n", "4", "--samples", "2", "--difficulty", "3", "--hops", "4", "--threads", "1"]
+EVAL_ARGS = ["--n", "4", "--samples", "2", "--difficulty", "3", "--threads", "1"]
 
 
 def _check_headline(part: dict, n_samples: int) -> None:
     for key in ("accuracy", "max_prompt_tokens", "max_total_tokens", "mean_response_tokens", "pass_at_k"):
         assert key in part, key
     assert 0.0 <= part["accuracy"] <= 1.0
-    # pointer_walk prompt with 3 letters: "^" + 3 links of 2 chars + "|" + start = 9 characters.
-    assert part["max_prompt_tokens"] == 9
-    # response bound for 4 hops: 3*4 + 3 = 15 characters, + 6 slack = 21 new tokens at most.
-    assert 1 <= part["mean_response_tokens"] <= 21
-    assert part["max_prompt_tokens"] < part["max_total_tokens"] <= part["max_prompt_tokens"] + 21
+    # pointer_walk prompt with 3 letters: "^" + 3 links of 2 chars + "|" + start + last counter = 10 characters.
+    assert part["max_prompt_tokens"] == 10
+    # response bound for at most 2 hops: 3*2 + 3 = 9 characters, + 6 slack = 15 new tokens at most.
+    assert 1 <= part["mean_response_tokens"] <= 15
+    assert part["max_prompt_tokens"] < part["max_total_tokens"] <= part["max_prompt_tokens"] + 15
     pass_k = part["pass_at_k"]
     assert set(pass_k) == {"pass@1", "pass@2"}
     assert 0.0 <= pass_k["pass@1"] <= pass_k["pass@2"] <= 1.0
@@ -155,14 +181,25 @@ def test_eval_dense(tiny_model_dir, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["inference"] == "dense"
     assert result["examples"] == 4
-    assert result["max_new_tokens"] == 21
+    assert result["max_new_tokens"] == 15
     _check_headline(result["dense"], 2)
     for key in ("accuracy", "max_prompt_tokens", "max_total_tokens", "mean_response_tokens"):
         assert result[key] == result["dense"][key]
     assert "kv" not in result["dense"]
-    # stdout is JSON too (the non-nested part).
+    # stdout is JSON too (the non-nested part), one entry per inference asked for.
     printed = json.loads(capsys.readouterr().out)
-    assert printed["accuracy"] == result["accuracy"]
+    assert list(printed) == ["dense"] and printed["dense"]["accuracy"] == result["accuracy"]
+
+
+def test_eval_both_prints_both(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "both.json"
+    assert main(["eval", "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS, "--inference", "both",
+                 "--kv-budget", "8", "--kv-window", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    result = json.loads(out.read_text())
+    assert list(printed) == ["dense", "sparse"]
+    for mode in printed:
+        assert printed[mode]["accuracy"] == result[mode]["accuracy"]
 
 
 def test_eval_sparse(tiny_model_dir, tmp_path):
@@ -185,7 +222,7 @@ def test_eval_sparse(tiny_model_dir, tmp_path):
 def test_eval_top_level_has_pass_at_k_and_kv(tiny_model_dir, tmp_path):
     out = tmp_path / "sparse.json"
     argv = ["eval", "--out", str(out), "--model", str(tiny_model_dir), "--n", "1", "--samples", "1",
-            "--difficulty", "3", "--hops", "2", "--threads", "1", "--kv-budget", "8", "--kv-window", "2"]
+            "--difficulty", "3", "--threads", "1", "--kv-budget", "8", "--kv-window", "2"]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert "pass_at_k" in result and "kv" in result

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from sparserl.cli import main
-from sparserl.report import PLOTS
+from sparserl.report_plots import PLOTS
 
 
 def _args(model_dir, out, modes):
     return ["compare", "--model", str(model_dir), "--out", str(out), "--modes", modes, "--steps", "2",
-            "--seed", "1", "--prompts-per-step", "2", "--group-size", "4", "--difficulty", "4", "--hops", "6",
+            "--seed", "1", "--prompts-per-step", "2", "--group-size", "4", "--difficulty", "4",
             "--eval-examples", "8", "--eval-every", "1", "--threads", "1", "--kv-budget", "10",
             "--kv-window", "3", "--kv-interval", "3", "--log-with", "none", "--minibatches", "1"]
 
@@ -21,27 +21,32 @@ def test_compare_runs_every_mode_and_writes_the_report(tiny_model_dir, tmp_path,
     assert main(_args(tiny_model_dir, out, modes)) == 0
     printed = capsys.readouterr().out
     for mode in modes.split(","):
-        final = json.loads((out / mode / "final_eval.json").read_text())
+        final = json.loads((out / mode / "seed1" / "final_eval.json").read_text())
         assert final["steps"] == 2
         assert 0 <= final["dense"]["accuracy"] <= 1 and "kv" in final["sparse"]
         assert f"| {mode} |" in printed
     for plot in PLOTS:
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
-    assert "Held-out acc (sparse inference)" in report
+    assert "Held-out acc (sparse inf.)" in report and "Regime: KV budget 10" in printed
     # The same prompts reach every mode: step-1 rollouts of dense and naive-sparse share their prompts,
     # so with the same seed their first rewards can only differ through the compressed cache.
-    first = {m: json.loads((out / m / "metrics.jsonl").read_text().splitlines()[1]) for m in modes.split(",")}
+    first = {m: json.loads((out / m / "seed1" / "metrics.jsonl").read_text().splitlines()[1]) for m in modes.split(",")}
     assert first["naive-sparse"]["kv_compressions"] > 0 and first["dense"]["kv_compressions"] == 0
 
 
-def test_compare_resumes_by_skipping_finished_modes(tiny_model_dir, tmp_path, caplog):
+def test_compare_resumes_by_skipping_finished_runs_and_adds_seeds(tiny_model_dir, tmp_path, caplog):
     out = tmp_path / "cmp"
     assert main(_args(tiny_model_dir, out, "dense")) == 0
-    before = (out / "dense" / "final_eval.json").read_text()
+    before = (out / "dense" / "seed1" / "final_eval.json").read_text()
     caplog.set_level("INFO")
-    assert main(_args(tiny_model_dir, out, "dense,sparse-rl")) == 0
+    assert main(_args(tiny_model_dir, out, "dense,sparse-rl") + ["--seeds", "1,2"]) == 0
     assert "already done" in caplog.text
-    assert (out / "dense" / "final_eval.json").read_text() == before
-    assert (out / "sparse-rl" / "final_eval.json").exists()
-    assert json.loads((out / "compare.json").read_text())["modes"] == ["dense", "sparse-rl"]
+    assert (out / "dense" / "seed1" / "final_eval.json").read_text() == before
+    for mode in ("dense", "sparse-rl"):
+        assert (out / mode / "seed2" / "final_eval.json").exists()
+    # Another seed draws other prompts: its first step differs from seed 1's.
+    first = [json.loads((out / "dense" / f"seed{s}" / "metrics.jsonl").read_text().splitlines()[1]) for s in (1, 2)]
+    assert first[0]["logppl_sampler"] != first[1]["logppl_sampler"]
+    manifest = json.loads((out / "compare.json").read_text())
+    assert manifest["modes"] == ["dense", "sparse-rl"] and manifest["seeds"] == [1, 2]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pathlib import Path
+
 import pytest
 
 from sparserl.config import ConfigError, ExperimentConfig, load_config, save_config
@@ -33,7 +35,11 @@ def test_defaults_match_the_spec_reference_values():
     assert config.rollout.group_size == 8
     # Project defaults (the laptop experiment of SPEC §6).
     assert config.train.mode == "dense"
-    assert config.rollout.kv_budget == 56
+    # The built-in experiment's paper regime, measured by `sparserl sweep` (docs/results.md); its config
+    # file must agree with the default.
+    assert config.rollout.kv_budget == 80
+    assert load_config(Path(__file__).parents[1] / "configs" / "paper-regime.yaml").rollout.kv_budget == 80
+    assert load_config(Path(__file__).parents[1] / "configs" / "stress-regime.yaml").rollout.kv_budget == 56
     assert config.rollout.kv_window == 8
     assert config.rollout.kv_interval == 8
     assert config.rollout.kv_per_head is False

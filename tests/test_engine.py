@@ -22,7 +22,7 @@ def tiny():
 
 
 def _prompts(tokenizer, count=6, letters=8, ragged=True):
-    prompts = [tokenizer(e.prompt).input_ids for e in PointerWalkTask(letters, 12).examples(count, seed=1)]
+    prompts = [tokenizer(e.prompt).input_ids for e in PointerWalkTask(letters, min_letters=letters).examples(count, seed=1)]
     if ragged:  # left padding: rows of different prompt lengths
         prompts[1] = prompts[1][:6]
         prompts[3] = prompts[3][:11]

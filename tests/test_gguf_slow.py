@@ -30,7 +30,7 @@ def test_one_sparse_rl_step_on_gemma3(gemma_dir, tmp_path):
 
     args = ["train", "--model", str(gemma_dir), "--out", str(tmp_path / "run"), "--steps", "1",
             "--mode", "sparse-rl", "--seed", "0", "--prompts-per-step", "2", "--group-size", "2",
-            "--difficulty", "4", "--hops", "4", "--max-new-tokens", "24", "--kv-budget", "16",
+            "--difficulty", "4", "--max-new-tokens", "24", "--kv-budget", "16",
             "--kv-window", "4", "--kv-interval", "4", "--eval-every", "0", "--log-with", "none",
             "--micro-batch-size", "2", "--kl-coef", "0"]
     assert main(args) == 0

@@ -1,4 +1,5 @@
-"""The compare report: plots exist, table cells equal hand-computed numbers, findings classify correctly."""
+"""The compare report: plots exist, cells are hand-computed means and ranges over seeds, and a
+verdict is given only when every seed agrees."""
 
 from __future__ import annotations
 
@@ -6,127 +7,114 @@ import json
 
 import pytest
 
-from sparserl.report import PLOTS, classify_trajectory, paper_table, write_report
+from sparserl.report import cell, classify_trajectory, paper_table, write_report
+from sparserl.report_plots import PLOTS
 
 MIB = 1024 ** 2
 
 
-def _step(step: int, reward: float, kept: float, vetoed: float, peak_mib: float, **extra) -> dict:
+def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: float, **extra) -> dict:
     record = {"step": step, "reward_mean": reward, "reward_std": 0.1, "accuracy": reward,
               "response_len_mean": 40.0 + step, "rollout_s": 2.0, "step_s": 5.0,
-              "kv_peak_bytes": int(peak_mib * MIB), "kv_dense_bytes": 4 * MIB, "kv_kept_frac": kept,
+              "kv_peak_bytes": int(1.6 * MIB), "kv_dense_bytes": 4 * MIB, "kv_peak_frac": 0.4, "kv_kept_frac": kept,
               "xi_mean": 1.0, "xi_min": 0.01 * step, "xi_q01": 0.5, "kl_sampler_old": 0.02 * step,
-              "veto_frac": vetoed / 8, "band_mask_frac": 0.1, "ess": 0.9, "vetoed_sequences": vetoed,
-              "skipped": 0, "skipped_steps": 0, "veto_frac_len_0_16": 0.0, "veto_frac_len_16_inf": vetoed / 4}
+              "veto_frac": vetoed / 8, "vetoed_sequences": vetoed, "flagged_veto_frac": veto_flagged,
+              "flagged_band_frac": 0.1, "ess": 0.9, "walk_exact": reward, "skipped": 0, "skipped_steps": 0,
+              "flagged_veto_frac_len_0_16": 0.0, "flagged_veto_frac_len_16_inf": veto_flagged * 2}
     record.update(extra)
     return record
 
 
-def _write_run(root, mode, kept, final_dense, final_sparse, rewards=(0.5, 0.6, 0.7, 0.8), vetoed=(0, 1, 2, 1),
-               peak_mib=1.6, final=True, skipped_last=0):
-    run = root / mode
-    run.mkdir()
-    records = [{"step": 0, "eval_accuracy_dense": 0.5, "eval_accuracy_sparse": 0.3}]
-    for i, (reward, k, v) in enumerate(zip(rewards, kept, vetoed), start=1):
-        extra = {"eval_accuracy_dense": final_dense, "eval_accuracy_sparse": final_sparse} if i in (2, 4) else {}
-        if i == 4:
-            extra.update(skipped=skipped_last, skipped_steps=skipped_last)
-        records.append(_step(i, reward, k, v, peak_mib, **extra))
+def _write_run(root, mode, seed, start, final, kept=0.6, vetoed=0.0, veto_flagged=0.25, finished=True):
+    """Two training steps; step 0 evaluates the start model, step 2 the final one."""
+    run = root / mode / f"seed{seed}"
+    run.mkdir(parents=True)
+    records = [{"step": 0, "eval_accuracy_dense": start, "eval_accuracy_sparse": start - 0.1},
+               _step(1, 0.5, kept, vetoed, veto_flagged),
+               _step(2, 0.7, kept, vetoed, veto_flagged, eval_accuracy_dense=final, eval_accuracy_sparse=final - 0.2)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    if final:
-        kv = {"kv_peak_bytes": int(peak_mib * MIB), "kv_dense_bytes": 4 * MIB, "kept_token_frac": 0.99,
-              "kv_peak_frac": peak_mib / 4}
+    if finished:
         (run / "final_eval.json").write_text(json.dumps({
-            "mode": mode, "dense": {"accuracy": final_dense, "mean_response_tokens": 44.0},
-            "sparse": {"accuracy": final_sparse, "mean_response_tokens": 43.0, "kv": kv},
-            "train_seconds": 100.0, "rollout_seconds": 40.0, "steps": 4}))
+            "mode": mode, "dense": {"accuracy": final, "walk_exact": final - 0.01},
+            "sparse": {"accuracy": final - 0.2}, "train_seconds": 10.0, "rollout_seconds": 4.0 + seed, "steps": 2}))
 
 
-def _compare_dir(tmp_path, rl_dense=0.78, rl_sparse=0.45, rl_kept=(0.45, 0.40, 0.40, 0.35)):
-    config = {"task": {"task": "pointer_walk", "difficulty": 12}, "train": {"steps": 4, "seed": 7},
-              "rollout": {"kv_policy": "rkv", "kv_budget": 32, "kv_window": 8, "kv_interval": 8,
-                          "prompts_per_step": 4, "group_size": 8}}
+def _compare_dir(tmp_path, rl_finals=(0.8, 0.8), naive_finals=(0.2, 0.3)):
+    config = {"task": {"task": "pointer_walk", "difficulty": 26}, "train": {"steps": 2, "seed": 0},
+              "rollout": {"kv_policy": "rkv", "kv_budget": 80, "kv_window": 8, "kv_interval": 8,
+                          "prompts_per_step": 4, "group_size": 8}, "output": {"eval_examples": 200}}
     (tmp_path / "compare.json").write_text(json.dumps(
-        {"modes": ["dense", "naive-sparse", "sparse-rl", "sparse-rs"], "config": config,
-         "started": "2025-01-01T00:00:00"}))
-    _write_run(tmp_path, "dense", (1.0,) * 4, 0.80, 0.40, peak_mib=4.0)
-    # naive-sparse collapses: 0.20 is below half of its step-0 accuracy 0.50.
-    _write_run(tmp_path, "naive-sparse", (0.4,) * 4, 0.20, 0.10, rewards=(0.5, 0.3, 0.1, 0.0), skipped_last=2)
-    _write_run(tmp_path, "sparse-rl", rl_kept, rl_dense, rl_sparse)
+        {"modes": ["dense", "naive-sparse", "sparse-rl", "sparse-rs"], "seeds": [0, 1], "config": config}))
+    for seed in (0, 1):
+        _write_run(tmp_path, "dense", seed, 0.5, 0.8, kept=1.0, veto_flagged=0.0)
+        _write_run(tmp_path, "naive-sparse", seed, 0.5, naive_finals[seed], veto_flagged=0.2 + 0.1 * seed)
+        _write_run(tmp_path, "sparse-rl", seed, 0.5, rl_finals[seed], kept=0.5 + 0.1 * seed, vetoed=2.0,
+                   veto_flagged=0.2 + 0.1 * seed)
     return tmp_path
 
 
 def _rows(table: str) -> dict[str, list[str]]:
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
+    lines = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
     return {r[0]: r[1:] for r in rows}
 
 
-def test_report_files_table_and_findings(tmp_path):
+def test_cells_are_mean_and_range():
+    assert cell([0.5, 0.7, 0.6]) == "60.0% (50.0–70.0)"
+    assert cell([0.5]) == "50.0%"
+    assert cell([None, None]) == "—"
+    assert cell([0.1, None, 0.3], ".2f") == "0.20 (0.10–0.30)"
+    assert cell([0.02, 0.04], "pts") == "+3.0 pts (+2.0–+4.0)"
+
+
+def test_report_table_regime_and_verdicts(tmp_path):
     out = _compare_dir(tmp_path)
     report = write_report(out)
-    assert report == out / "report.md"
     for name in PLOTS:
         data = (out / name).read_bytes()
         assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n", name
     text = report.read_text()
-    for name in PLOTS:
-        assert f"]({name})" in text
-    assert "pointer_walk" in text and "seed 7" in text and "budget 32" in text
-
-    rows = _rows(paper_table(out))
-    # sparse-rl: kept = mean(0.45, 0.40, 0.40, 0.35) = 40.0%, saved 60.0%; peak 1.6 MiB of 4 MiB;
-    # final reward = mean of last ceil(4/10)=1 step = 0.8; vetoed mean = (0+1+2+1)/4 = 1.0.
-    assert rows["sparse-rl"] == ["78.0%", "45.0%", "50.0% / 30.0%", "40.0%", "60.0%", "1.60 / 4.00",
-                                 "40.0", "100.0 s", "0.800", "1.00", "0"]
-    assert rows["dense"][3:6] == ["100.0%", "0.0%", "4.00 / 4.00"]
-    assert rows["naive-sparse"][0] == "20.0%" and rows["naive-sparse"][-1] == "2"
-    assert rows["sparse-rs (not run)"] == ["—"] * 11
-    assert "sparse-rs (not run)" in text
-
-    # mismatch table: xi_min is the minimum over steps (0.01), kl the mean (0.02*2.5 = 0.05).
-    mismatch = _rows(text.split("## Mismatch metrics")[1].split("\n\n")[1])
-    assert mismatch["sparse-rl"][1] == "0.01" and mismatch["sparse-rl"][2] == "0.05"
-    lengths = _rows(text.split("## Sequence rejection")[1].split("\n\n")[1])
-    assert lengths["sparse-rl"] == ["0.000", "0.250"]  # mean of vetoed/4 = 1.0/4
-
-    findings = text.split("## Findings")[1]
-    assert "naive-sparse final accuracy vs its start (dense inference): **collapsed**" in findings
-    assert "sparse-rl reaches 97.5% of dense held-out accuracy" in findings
-    assert "with 60.0% fewer KV tokens" in findings
-    assert "of dense accuracy — **met** (97.5%)" in findings
-    assert "fewer KV tokens — **met** (60.0% fewer)" in findings
-    assert "scores 45.0% vs the dense-trained model's 40.0%" in findings
-    assert "dense-trained under sparse inference — **met**" in findings
+    table = paper_table(out)
+    # Regime: every sparse run's step-0 gap is 0.1; step-1 flagged veto 0.2 and 0.3 in both sparse modes.
+    assert "gap dense − sparse +10.0 pts (+10.0–+10.0)" in table
+    assert "step-0 veto rate (Sparse-RL filter) 25.0% (20.0–30.0)" in table
+    assert "peak KV 40.0% (40.0–40.0) of dense" in table
+    rows = _rows(table)
+    # sparse-rl: kept 0.5 and 0.6 -> saved 50% and 40%; rollout s 4 and 5; vetoed 2 per step.
+    assert rows["sparse-rl"][0] == "80.0% (80.0–80.0)"
+    assert rows["sparse-rl"][2] == "79.0% (79.0–79.0)"  # exact walks from final_eval
+    assert rows["sparse-rl"][4] == "45.0% (40.0–50.0)"
+    assert rows["sparse-rl"][6] == "4.5 (4.0–5.0)"
+    assert rows["sparse-rl"][8] == "2.00 (2.00–2.00)"
+    assert rows["naive-sparse"][8] == "—"  # vetoes nothing: no number to show
+    assert rows["sparse-rs (not run)"] == ["—"] * 10
+    verdicts = text.split("## Verdicts")[1]
+    # naive-sparse: 0.5 -> 0.2 collapsed, 0.5 -> 0.3 degraded: the seeds disagree.
+    assert "naive-sparse, final vs step-0 accuracy (dense inference): **mixed** (seed 0: collapsed" in verdicts
+    assert "seed 1: degraded" in verdicts
+    assert "sparse-rl, final vs step-0 accuracy (dense inference): **improved** (50.0% → 80.0%; 50.0% → 80.0%)" \
+        in verdicts
+    assert "keeps ≥ 97% of dense accuracy — **met** (100.0%; 100.0%)" in verdicts
+    assert "naive sparse training collapses — **mixed**" in verdicts
+    assert "Caveat: verdicts rest on 2 steps (< 20), 2 seed(s) (< 3)" in verdicts
 
 
-def test_targets_not_met(tmp_path):
-    out = _compare_dir(tmp_path, rl_dense=0.70, rl_sparse=0.35, rl_kept=(0.6,) * 4)
-    findings = write_report(out).read_text().split("## Findings")[1]
-    assert "of dense accuracy — **not met** (87.5%)" in findings
-    assert "fewer KV tokens — **not met** (40.0% fewer)" in findings
-    assert "under sparse inference — **not met**" in findings
-    assert "sparse-rl final accuracy vs its start (dense inference): **improved**" in findings
+def test_paper_claim_not_met_in_every_seed(tmp_path):
+    out = _compare_dir(tmp_path, rl_finals=(0.6, 0.7), naive_finals=(0.2, 0.1))
+    verdicts = write_report(out).read_text().split("## Verdicts")[1]
+    assert "keeps ≥ 97% of dense accuracy — **not met** (75.0%; 87.5%)" in verdicts
+    assert "naive sparse training collapses — **met**" in verdicts
 
 
 def test_incomplete_and_missing_runs(tmp_path):
     out = _compare_dir(tmp_path)
-    (out / "sparse-rl" / "final_eval.json").unlink()
-    (out / "naive-sparse" / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy_dense": 0.5}\n{"step": 1, "rew')
+    (out / "sparse-rl" / "seed1" / "final_eval.json").unlink()
+    (out / "naive-sparse" / "seed0" / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy_dense": 0.5}\n{"step": 1, "rew')
     text = write_report(out).read_text()
     rows = _rows(paper_table(out))
-    # Incomplete: held-out accuracy falls back to the latest in-training evaluation (step 4 here).
-    assert rows["sparse-rl (incomplete)"][0] == "78.0%"
-    assert rows["sparse-rl (incomplete)"][7] == "20.0 s"  # sum of step_s, no train_seconds
+    # Incomplete: held-out accuracy falls back to the latest in-training evaluation (step 2 here).
+    assert rows["sparse-rl (1 incomplete)"][0] == "80.0% (80.0–80.0)"
     assert "naive-sparse" in text and all((out / p).exists() for p in PLOTS)
-
-
-def test_kv_falls_back_to_final_eval(tmp_path):
-    out = _compare_dir(tmp_path)
-    path = out / "sparse-rl" / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    path.write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("kv_")}) + "\n"
-                            for r in records))
-    assert _rows(paper_table(out))["sparse-rl"][3:5] == ["99.0%", "1.0%"]
 
 
 @pytest.mark.parametrize("start, final, label", [(0.5, 0.24, "collapsed"), (0.5, 0.44, "degraded"),

@@ -215,6 +215,6 @@ def test_registry_unknown_name() -> None:
 
 
 def test_registry_builds_pointer_walk_and_rejects_bad_option() -> None:
-    assert build_task("pointer_walk", letters=6, hops=8).examples(1, seed=0)[0].prompt.startswith("^")
+    assert build_task("pointer_walk", letters=6).examples(1, seed=0)[0].prompt.startswith("^")
     with pytest.raises(ValueError, match="leters.*letters"):
         build_task("pointer_walk", leters=6)

@@ -22,7 +22,7 @@ TIMING_KEYS = {"rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s",
 
 def _args(model_dir, out, steps, mode="dense", extra=()):
     return ["train", "--model", str(model_dir), "--out", str(out), "--steps", str(steps), "--mode", mode,
-            "--seed", "3", "--prompts-per-step", "4", "--group-size", "4", "--difficulty", "4", "--hops", "6",
+            "--seed", "3", "--prompts-per-step", "4", "--group-size", "4", "--difficulty", "4",
             "--eval-examples", "8", "--eval-every", "2", "--checkpoint-every", "2", "--threads", "1",
             "--kv-budget", "10", "--kv-window", "3", "--kv-interval", "3", "--log-with", "none", "--lr", "3e-3",
             # A random model earns no reward; the entropy bonus gives every step a real gradient.
@@ -86,13 +86,18 @@ def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
     for key in ("step", "reward_mean", "reward_std", "accuracy", "response_len_mean", "loss", "pg_loss",
                 "clip_frac", "kl", "grad_norm", "rollout_s", "recompute_s", "update_s", "tokens_per_s",
                 "xi_mean", "xi_min", "xi_q05", "logppl_sampler", "logppl_old", "kl_sampler_old", "veto_frac",
-                "band_mask_frac", "ess", "kv_peak_bytes", "kv_dense_bytes", "kv_kept_tokens_mean",
-                "skipped_steps", "eval_accuracy_dense"):
+                "band_mask_frac", "flagged_veto_frac", "flagged_band_frac", "ess", "kv_peak_bytes",
+                "kv_dense_bytes", "kv_kept_tokens_mean", "skipped_steps", "eval_accuracy_dense", "walk_exact",
+                "eval_walk_exact_dense"):
         assert key in record, key
     sparse = mode != "dense"
     assert (record["kv_peak_bytes"] < record["kv_dense_bytes"]) == sparse
     if mode in ("dense", "naive-sparse", "sparse-tis"):  # no rejection applied: trains on every token,
-        assert record["kept_token_frac"] == 1.0  # while veto_frac still reports what the filters flag
+        assert record["kept_token_frac"] == 1.0  # while flagged_* still report what the filters would flag
+        assert record["veto_frac"] == 0.0 and record["band_mask_frac"] == 0.0 and record["vetoed_sequences"] == 0
+    if mode == "sparse-rl":  # the applied filters are the flagged ones
+        assert record["veto_frac"] == record["flagged_veto_frac"]
+        assert record["band_mask_frac"] == record["flagged_band_frac"]
     assert (tmp_path / mode / "checkpoints" / "step_000001" / "policy" / "model.safetensors").exists()
 
 
@@ -114,10 +119,9 @@ def test_reference_model_only_when_kl_is_on(tiny_model_dir, tmp_path):
     from sparserl.config import load_config
     from sparserl.trainer import GRPOTrainer
 
-    common = dict(model=str(tiny_model_dir), out=str(tmp_path / "x"), log_with="none", eval_every=0,
-                  difficulty=4, hops=6)
-    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.0})).reference is None
-    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.01})).reference is not None
+    common = dict(model=str(tiny_model_dir), log_with="none", eval_every=0, difficulty=4)
+    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.0, "out": str(tmp_path / "a")})).reference is None
+    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.01, "out": str(tmp_path / "b")})).reference is not None
 
 
 def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, tmp_path):
@@ -125,7 +129,7 @@ def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, t
     from sparserl.config import load_config
     from sparserl.trainer import GRPOTrainer
 
-    common = dict(model=str(tiny_model_dir), log_with="none", eval_every=0, difficulty=4, hops=6, seed=5,
+    common = dict(model=str(tiny_model_dir), log_with="none", eval_every=0, difficulty=4, seed=5,
                   prompts_per_step=4, group_size=4, minibatches=1, entropy_coef=0.05, kl_coef=0.0,
                   threads=1, lr=1e-2)
     fused = GRPOTrainer(load_config(None, {**common, "out": str(tmp_path / "a"), "micro_batch_size": 16}))

@@ -3,15 +3,20 @@
 A checkpoint is a directory `checkpoints/step_000010/` holding the policy (`save_pretrained`,
 safetensors, with its tokenizer), the optimizer state, the RNG states, the trainer counters and
 the config. It is written into a temporary sibling and renamed into place, so a crash leaves
-either the previous checkpoint or the new one, never half of one.
+either the previous checkpoint or the new one, never half of one. A manifest of every file's size
+and SHA-256, written last, lets a resume check a checkpoint before trusting it and fall back to
+the newest intact one when a disk or a copy damaged the latest. Nothing is unpickled: tensors
+load with `weights_only=True` and the rest is JSON.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import torch
 from .config import ExperimentConfig, save_config
 
 CHECKPOINT_DIR = "checkpoints"
+MANIFEST = "manifest.json"
 _PREFIX = "step_"
 
 
@@ -30,10 +36,13 @@ class TrainerState:
     skipped_steps: int = 0
     reward_failures: int = 0
     reward_timeouts: int = 0
+    starving_steps: int = 0  # steps whose rejected fraction passed warn_rejected_frac
 
 
 def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimizer: torch.optim.Optimizer,
                     config: ExperimentConfig, keep: int) -> Path:
+    if keep < 1:
+        raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     root = run_dir / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{state.step:06d}"
@@ -44,9 +53,11 @@ def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimi
     model.save_pretrained(tmp / "policy", safe_serialization=True)
     tokenizer.save_pretrained(tmp / "policy")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(_rng_states(), tmp / "rng.pt")
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "rng.json").write_text(json.dumps(_host_rng_states()))
     (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=2))
     save_config(config, tmp / "config.yaml")
+    (tmp / MANIFEST).write_text(json.dumps(_file_digests(tmp), indent=1))
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -60,8 +71,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
-             and (p / "trainer_state.json").exists()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / MANIFEST).exists()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -70,21 +80,61 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """None if every file of the manifest is there with its size and hash, else what is wrong."""
+    try:
+        expected = json.loads((checkpoint / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "its manifest is missing or unreadable"
+    for name, (size, digest) in expected.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(path) != digest:
+            return f"{name} does not match its SHA-256"
+    return None
+
+
+def latest_good_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that passes `checkpoint_problem`; each damaged newer one is warned about."""
+    for checkpoint in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        warnings.warn(f"checkpoint {checkpoint} is damaged ({problem}); trying an older one")
+    return None
+
+
 def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore optimizer and RNG states (the weights are loaded by the caller from `policy/`)."""
-    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
-    _set_rng_states(torch.load(checkpoint / "rng.pt", weights_only=False))
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    torch.set_rng_state(torch.load(checkpoint / "rng.pt", weights_only=True)["torch"])
+    host = json.loads((checkpoint / "rng.json").read_text())
+    version, internal, gauss = host["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = host["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     return TrainerState(**json.loads((checkpoint / "trainer_state.json").read_text()))
 
 
-def _rng_states() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def _host_rng_states() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
 
 
-def _set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_digests(directory: Path) -> dict[str, list]:
+    return {str(p.relative_to(directory)): [p.stat().st_size, _sha256(p)]
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -1,106 +1,181 @@
-"""The `sparserl` command: warmup, train, eval and compare.
+"""The `sparserl` command: warmup, train, eval, sweep, audit and compare.
 
     sparserl warmup --out DIR                     # supervised warm start of the built-in model
-    sparserl train --out DIR --steps N --mode MODE --seed S [--config FILE] [--resume]
-    sparserl eval --out FILE.json [--model DIR] [--n N]
-    sparserl compare --out DIR [--config FILE]
+    sparserl train --out DIR --steps N --mode MODE --seed S [--config FILE] [--resume [auto]]
+    sparserl eval --out FILE.json [--model DIR|RUN_DIR] [--n N] [--inference dense|sparse|both]
+    sparserl sweep --out FILE.json [--budgets B,B,...]
+    sparserl audit --out FILE.json --kv-budget B
+    sparserl compare --out DIR [--config FILE] [--seeds 0,1,2]
 
-Every configuration field is a flag (see `sparserl train --help`); a YAML file given with
---config is applied first and flags override it.
+Every configuration field a command uses is a flag (see `sparserl COMMAND --help`); a YAML file
+given with --config is applied first and flags override it. Only the chosen command's options are
+built, and torch is imported only once a command runs, so `sparserl --help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import sys
-import typing
 import warnings
 from pathlib import Path
 
-from .config import ConfigError, add_config_arguments, coerce, load_config, overrides_from_args
-from .models import ModelFilesError
-
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+COMMANDS = {
+    "warmup": "warm-start the built-in model by supervised learning",
+    "train": "train a policy with GRPO (dense or sparse rollouts)",
+    "eval": "held-out accuracy and pass@k, dense or sparse inference",
+    "sweep": "accuracy, veto rate and KV saved at each KV budget; names the two regimes",
+    "audit": "pointer walk: where sparse rollouts first go wrong, and whether the token they needed was evicted",
+    "compare": "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
+}
+# The config fields each inference-only command uses: the model, the task, the sampler and its cache.
+INFERENCE_FIELDS = ("model", "task", "rollout", "seed")
+SAMPLER_ONLY = ("prompts_per_step", "group_size", "ignore_eos")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = _build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # Our own bars show progress; transformers' per-load and per-save bars would drown them.
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     warnings.simplefilter("default")
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+    from .config import ConfigError
+
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own bars show progress; transformers' would drown them
         return args.handler(args)
-    except ConfigError as error:
-        print(f"sparserl: config error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except (ModelFilesError, ValueError, FileNotFoundError) as error:
-        # User-facing problems (bad data line, missing model files, bad option) get one clear line;
-        # SPARSERL_DEBUG=1 shows the traceback instead.
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        # User-facing problems (bad config, bad data line, missing model files) get one line that says
+        # what to fix; SPARSERL_DEBUG=1 shows the traceback instead.
         if os.environ.get("SPARSERL_DEBUG"):
             raise
         print(f"sparserl: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt as interrupt:
+        from .trainer import TrainingInterrupted
+
+        message = str(interrupt) if isinstance(interrupt, TrainingInterrupted) else \
+            "interrupted; rerun the same command (with --resume for train) to continue from the last checkpoint"
+        print(f"sparserl: {message}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    warm = commands.add_parser("warmup", help="warm-start the built-in model by supervised learning")
-    from .warmup import WarmupConfig
-
-    _add_dataclass_arguments(warm, WarmupConfig)
-    warm.set_defaults(handler=_warmup)
-
-    train = commands.add_parser("train", help="train a policy with GRPO (dense or sparse rollouts)")
-    train.add_argument("--config", metavar="FILE", help="YAML config applied before the flags")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    add_config_arguments(train)
-    train.set_defaults(handler=_train)
-
-    evaluate = commands.add_parser("eval", help="held-out accuracy and pass@k, dense or sparse inference")
-    evaluate.add_argument("--config", metavar="FILE", help="YAML config applied before the flags")
-    evaluate.add_argument("--out", required=True, metavar="FILE.json", help="where to write the results")
-    evaluate.add_argument("--n", type=int, default=200, help="held-out examples (default: 200)")
-    evaluate.add_argument("--samples", type=int, default=8, help="samples per example for pass@k (default: 8)")
-    evaluate.add_argument("--inference", choices=["dense", "sparse", "both"], default=None,
-                          help="dense or sparse (compressed KV) decoding; default dense, or sparse when "
-                               "a --kv-* flag is given")
-    add_config_arguments(evaluate, skip=("out",))
-    evaluate.set_defaults(handler=_eval)
-
-    compare = commands.add_parser("compare", help="run dense, naive-sparse, sparse-rl (and ablations) and report")
-    compare.add_argument("--config", metavar="FILE", help="YAML config applied before the flags")
-    compare.add_argument("--modes", default="dense,naive-sparse,sparse-rl",
-                         help="comma-separated modes to run (default: dense,naive-sparse,sparse-rl; "
-                              "add sparse-tis,sparse-rs for the ablations)")
-    add_config_arguments(compare)
-    compare.set_defaults(handler=_compare)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, help_text in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            add_arguments, handler = _HANDLERS[name]
+            add_arguments(sub)
+            sub.set_defaults(handler=handler)
     return parser
 
 
-def _add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, list):
-            continue
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f"dc__{f.name}", default=None,
-                            help=f"(default: {default})", metavar=hints[f.name].__name__.upper())
+# ---------------------------------------------------------------------------------- arguments
+def _common(sub: argparse.ArgumentParser, out_help: str | None = None) -> None:
+    sub.add_argument("--config", metavar="FILE", help="YAML config applied before the flags")
+    if out_help:
+        sub.add_argument("--out", required=True, metavar="FILE.json", help=out_help)
 
 
+def _warmup_arguments(sub) -> None:
+    import dataclasses
+    import typing
+
+    from .config import WarmupConfig, field_help
+
+    hints, helps = typing.get_type_hints(WarmupConfig), field_help(WarmupConfig)
+    for f in dataclasses.fields(WarmupConfig):
+        if f.default is dataclasses.MISSING:
+            continue  # the curriculum is set in code
+        sub.add_argument("--" + f.name.replace("_", "-"), dest=f"dc__{f.name}", default=None,
+                         metavar=hints[f.name].__name__.upper(), help=f"{helps.get(f.name, '')} (default: {f.default})")
+
+
+def _train_arguments(sub) -> None:
+    from .config import add_config_arguments
+
+    _common(sub)
+    sub.add_argument("--resume", nargs="?", const="must", default="never", choices=["auto", "must"], metavar="auto",
+                     help="continue the run in --out from its latest intact checkpoint (an error if there is none); "
+                          "--resume auto starts from scratch when there is none")
+    sub.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start again")
+    sub.add_argument("--allow-config-change", action="store_true",
+                     help="let --resume continue with settings that differ from the run's (listed in a warning); "
+                          "steps, checkpointing, evaluation cadence, logging and threads may always change")
+    add_config_arguments(sub)
+
+
+def _inference_arguments(sub, out_help: str) -> None:
+    from .config import add_config_arguments
+
+    _common(sub, out_help)
+    sub.add_argument("--n", type=int, default=200, help="held-out prompts (default: 200)")
+    add_config_arguments(sub, only=INFERENCE_FIELDS, skip=("out",) + SAMPLER_ONLY)
+
+
+def _eval_arguments(sub) -> None:
+    _inference_arguments(sub, "where to write the results")
+    sub.add_argument("--samples", type=int, default=8, help="samples per prompt for pass@k (default: 8; 0: none)")
+    sub.add_argument("--inference", choices=["dense", "sparse", "both"], default=None,
+                     help="dense or sparse (compressed KV) decoding, or both; default dense, or sparse when a --kv-* "
+                          "flag is given")
+
+
+def _sweep_arguments(sub) -> None:
+    _inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)")
+    sub.add_argument("--budgets", default="24,32,40,48,56,64,72,80,88,96", metavar="B,B,...",
+                     help="comma-separated KV budgets (default: 24,32,...,96)")
+    sub.add_argument("--sample-prompts", type=int, default=16,
+                     help="prompts for the sampled rollouts that measure veto and band rates (default: 16)")
+    sub.add_argument("--samples", type=int, default=8, help="samples per prompt for those rollouts (default: 8)")
+
+
+def _audit_arguments(sub) -> None:
+    _inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)")
+
+
+def _compare_arguments(sub) -> None:
+    from .config import add_config_arguments
+
+    _common(sub)
+    sub.add_argument("--modes", default="dense,naive-sparse,sparse-rl",
+                     help="comma-separated modes to run (default: dense,naive-sparse,sparse-rl; add sparse-tis,sparse-rs "
+                          "for the ablations)")
+    sub.add_argument("--seeds", default=None, metavar="S,S,...",
+                     help="comma-separated seeds, each a full set of runs (default: --seed); cells are reported as "
+                          "mean (min–max) over them")
+    add_config_arguments(sub, skip=("mode",))
+
+
+def _config(args):
+    from .config import load_config, overrides_from_args
+
+    return load_config(args.config, overrides_from_args(args))
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    from .config import coerce
+
+    return [coerce(item.strip(), int, flag) for item in text.split(",") if item.strip()]
+
+
+# ---------------------------------------------------------------------------------- handlers
 def _warmup(args) -> int:
-    from .warmup import WarmupConfig, warmup
+    import typing
+
+    from .config import WarmupConfig, coerce
+    from .warmup import warmup
 
     hints = typing.get_type_hints(WarmupConfig)
     values = {k[4:]: coerce(v, hints[k[4:]], k[4:]) for k, v in vars(args).items()
@@ -113,34 +188,73 @@ def _warmup(args) -> int:
 def _train(args) -> int:
     from .trainer import GRPOTrainer
 
-    config = load_config(args.config, overrides_from_args(args))
-    state = GRPOTrainer(config, resume=args.resume).train()
-    print(f"done: {state.step} steps in {config.output.out} "
-          f"(metrics.jsonl, tensorboard/, checkpoints/; skipped updates: {state.skipped_steps})")
+    config = _config(args)
+    trainer = GRPOTrainer(config, resume=args.resume, overwrite=args.overwrite,
+                          allow_config_change=args.allow_config_change)
+    state = trainer.train()
+    print(f"done: {state.step} steps in {config.output.out} (metrics.jsonl, tensorboard/, checkpoints/; "
+          f"skipped updates: {state.skipped_steps}; steps that rejected most tokens: {state.starving_steps})")
     return 0
 
 
 def _eval(args) -> int:
-    from .evaluate import run_eval
+    from .config import overrides_from_args
+    from .evaluate import config_for_eval, run_eval
 
     overrides = overrides_from_args(args)
-    config = load_config(args.config, overrides)
+    config = config_for_eval(args.config, overrides)
     inference = args.inference or ("sparse" if any(k.startswith("kv_") for k in overrides) else "dense")
     result = run_eval(config, n=args.n, samples=args.samples, inference=inference)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=2))
+    _write_json(Path(args.out), result)
+    # Every inference asked for, each with its flat figures (the file has the nested ones too).
+    print(json.dumps({mode: {k: v for k, v in result[mode].items() if not isinstance(v, dict)}
+                      for mode in ("dense", "sparse") if mode in result}, indent=2))
+    return 0
+
+
+def _sweep(args) -> int:
+    from .sweep import run_sweep, sweep_table, write_sweep
+
+    result = run_sweep(_config(args), _int_list(args.budgets, "budgets"), n=args.n, samples=args.samples,
+                       sample_prompts=args.sample_prompts)
+    write_sweep(result, Path(args.out))
+    print(sweep_table(result))
+    return 0
+
+
+def _audit(args) -> int:
+    from .audit import audit_table, run_audit, write_audit
+
+    result = run_audit(_config(args), n=args.n)
+    write_audit(result, Path(args.out))
+    print(audit_table(result))
     return 0
 
 
 def _compare(args) -> int:
     from .compare import run_compare
 
-    config = load_config(args.config, overrides_from_args(args))
-    run_compare(config, [m.strip() for m in args.modes.split(",") if m.strip()])
+    config = _config(args)
+    seeds = [config.train.seed] if args.seeds is None else _int_list(args.seeds, "seeds")
+    run_compare(config, [m.strip() for m in args.modes.split(",") if m.strip()], seeds)
     return 0
 
+
+def _write_json(out: Path, result: dict) -> None:
+    from .config import ConfigError
+
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as error:
+        raise ConfigError(f"--out {out}: cannot write there ({error.strerror}); choose a writable path") from None
+
+
+_HANDLERS = {"warmup": (_warmup_arguments, _warmup), "train": (_train_arguments, _train),
+             "eval": (_eval_arguments, _eval), "sweep": (_sweep_arguments, _sweep),
+             "audit": (_audit_arguments, _audit), "compare": (_compare_arguments, _compare)}
 
 if __name__ == "__main__":
     sys.exit(main())

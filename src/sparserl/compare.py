@@ -1,9 +1,10 @@
 """`sparserl compare`: the paper's experiment, one training run per mode, then a report.
 
-Every mode trains from the same weights with the same seed, prompts and KV budget into
-`DIR/<mode>/`, then is evaluated on the same held-out set under dense and under sparse
-inference (`final_eval.json`). A mode with a `final_eval.json` is done and skipped; a mode with a
-checkpoint resumes from it, so an interrupted comparison picks up where it stopped.
+For each seed, every mode trains from the same weights with that seed (same prompts, same held-out
+set) and the same KV budget into `DIR/<mode>/seed<S>/`, then is evaluated on the held-out set under
+dense and under sparse inference (`final_eval.json`). A run with a `final_eval.json` is done and
+skipped; a run with a checkpoint resumes from it, so an interrupted comparison picks up where it
+stopped, and a comparison rerun with more seeds or modes only runs what is new.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from .checkpoint import latest_checkpoint
 from .config import MODES, ConfigError, ExperimentConfig
+from .run_dir import RUN_FREE_FIELDS, config_differences
 from .evaluate import evaluate_policy
 from .metrics_log import METRICS_FILE, read_metrics
 from .rollout.engine import KVCompression
@@ -25,34 +27,47 @@ log = logging.getLogger(__name__)
 FINAL_EVAL = "final_eval.json"
 
 
-def mode_config(config: ExperimentConfig, mode: str, run_dir: Path) -> ExperimentConfig:
+def mode_config(config: ExperimentConfig, mode: str, seed: int, run_dir: Path) -> ExperimentConfig:
     return dataclasses.replace(
         config,
-        train=dataclasses.replace(config.train, mode=mode),
+        train=dataclasses.replace(config.train, mode=mode, seed=seed),
         output=dataclasses.replace(config.output, out=str(run_dir), eval_sparse_inference=True),
     )
 
 
-def run_compare(config: ExperimentConfig, modes: list[str]) -> Path:
+def run_compare(config: ExperimentConfig, modes: list[str], seeds: list[int]) -> Path:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise ConfigError(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds: give distinct integer seeds, e.g. 0,1,2 (got {seeds})")
     out = Path(config.output.out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "compare.json"
     record = json.loads(manifest.read_text()) if manifest.exists() else {
-        "modes": [], "config": config.to_dict(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    # A comparison extended later with more modes (e.g. the ablations) reports all of them.
+        "modes": [], "seeds": [], "config": config.to_dict(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    # Runs of one comparison must share their settings; only what RUN_FREE_FIELDS names may change.
+    changed = {k: v for k, v in config_differences(record["config"], config.to_dict()).items()
+               if k not in RUN_FREE_FIELDS | {"mode", "seed", "eval_sparse_inference"}}
+    if changed:
+        listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ConfigError(f"--out {out} holds a comparison run with other settings ({listing}); use the same "
+                          "settings to extend it, or another --out")
+    record["config"] = config.to_dict()
+    # A comparison extended later with more modes (e.g. the ablations) or seeds reports all of them.
     record["modes"] = record["modes"] + [m for m in modes if m not in record["modes"]]
+    record["seeds"] = record.get("seeds", []) + [s for s in seeds if s not in record.get("seeds", [])]
     manifest.write_text(json.dumps(record, indent=2, default=list))
-    for index, mode in enumerate(modes, start=1):
-        run_dir = out / mode
+    jobs = [(seed, mode) for seed in seeds for mode in modes]
+    for index, (seed, mode) in enumerate(jobs, start=1):
+        run_dir = out / mode / f"seed{seed}"
         if (run_dir / FINAL_EVAL).exists():
-            log.info("[%d/%d] %s: already done, skipping", index, len(modes), mode)
+            log.info("[%d/%d] %s seed %d: already done, skipping", index, len(jobs), mode, seed)
             continue
         resume = latest_checkpoint(run_dir) is not None
-        log.info("[%d/%d] %s: %s", index, len(modes), mode, "resuming" if resume else "training")
-        trainer = GRPOTrainer(mode_config(config, mode, run_dir), resume=resume)
+        log.info("[%d/%d] %s seed %d: %s", index, len(jobs), mode, seed, "resuming" if resume else "training")
+        trainer = GRPOTrainer(mode_config(config, mode, seed, run_dir), resume="auto")
         trainer.train()
         _final_eval(trainer, mode, run_dir)
 

@@ -31,72 +31,110 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # a Hugging Face model directory; None = the built-in warm-started model
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    model: str | None = None  # a Hugging Face model directory (or a run directory or checkpoint, for eval); none: the built-in model
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default (fix it: it changes float sums and so trajectories)
 
 
 @dataclass
 class TaskConfig:
-    task: str = "pointer_walk"  # pointer_walk | math_jsonl | reasoning_gym
-    difficulty: int = 12  # pointer_walk: letters in the cycle (2..26)
-    hops: int = 32  # pointer_walk: steps in the chain of thought
-    data_path: str | None = None  # math_jsonl: the JSONL file
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    template: str = "{prompt}"
-    gym_dataset: str = "chain_sum"  # reasoning_gym: dataset name
-    max_new_tokens: int = 0  # 0 = the task's own response bound
+    task: str = "pointer_walk"  # pointer_walk | math_jsonl | reasoning_gym | gym:<dataset>
+    difficulty: int = 26  # pointer_walk: the longest cycle (3..26); each prompt draws its own length and hop count
+    min_difficulty: int = 0  # pointer_walk: the shortest cycle; 0 = difficulty - 10 (at least 3)
+    data_path: str | None = None  # math_jsonl: the JSONL file, one JSON object per line
+    prompt_key: str = "prompt"  # math_jsonl: the key holding the prompt
+    label_key: str = "label"  # math_jsonl: the key holding the answer
+    template: str = "{prompt}"  # math_jsonl: how the prompt is put to the model ({prompt} is replaced)
+    gym_dataset: str = "chain_sum"  # reasoning_gym: the dataset name
+    max_new_tokens: int = 0  # response bound in tokens; 0 = the task's own
 
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 8
-    group_size: int = 8
-    temperature: float = 1.0
+    prompts_per_step: int = 8  # prompts per training step
+    group_size: int = 8  # samples per prompt (the GRPO group)
+    temperature: float = 1.0  # sampling temperature (no top-p or top-k)
     ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
-    kv_policy: str = "rkv"
-    kv_budget: int = 56
-    kv_window: int = 8
-    kv_interval: int = 8
-    kv_per_head: bool = False  # False: one kept set per layer, scores summed over KV heads (reference)
-    kv_lambda: float = 0.1  # R-KV: weight of importance against redundancy
-    kv_similarity_threshold: float = 0.5  # R-KV: key cosine similarity above which the older twin is redundant
-    kv_kernel_size: int = 7  # SnapKV, R-KV, PyramidKV: 1-D pooling kernel over positions (odd)
-    kv_pooling: Literal["max", "mean"] = "max"  # SnapKV, R-KV, PyramidKV: pooling over query heads and positions
-    kv_sinks: int = 4  # StreamingLLM: attention-sink tokens always kept
+    kv_policy: str = "rkv"  # which cached tokens a sparse rollout keeps: rkv | snapkv | h2o | streamingllm | pyramidkv
+    kv_budget: int = 80  # KV tokens kept per layer; 80 is the built-in experiment's paper regime, 56 its stress regime
+    kv_window: int = 8  # most recent tokens always kept (the observation window)
+    kv_interval: int = 8  # decode steps between compressions
+    kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
+    kv_lambda: float = 0.1  # rkv: weight of importance against redundancy
+    kv_similarity_threshold: float = 0.5  # rkv: key cosine similarity above which the older twin is redundant
+    kv_kernel_size: int = 7  # snapkv, rkv, pyramidkv: 1-D pooling kernel over positions (odd)
+    kv_pooling: Literal["max", "mean"] = "max"  # snapkv, rkv, pyramidkv: pooling over query heads and positions
+    kv_sinks: int = 4  # streamingllm: attention-sink tokens always kept
 
 
 @dataclass
 class TrainConfig:
-    mode: Mode = "dense"
-    steps: int = 60
-    seed: int = 0
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    mode: Mode = "dense"  # dense rollouts, or sparse ones with no, full or partial Sparse-RL corrections
+    steps: int = 80  # training steps (one rollout batch each)
+    seed: int = 0  # prompts, sampling and held-out set all derive from it
+    lr: float = 1e-4  # AdamW learning rate; tuned on the built-in experiment (1e-3 collapsed, 3e-4 stayed flat)
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient norm clip
     minibatches: int = 2  # optimizer steps per rollout batch
-    epochs: int = 1
-    clip_eps: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_coef: float = 1e-4
-    entropy_coef: float = 0.0
-    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
-    rejected_in_baseline: bool = True
-    warn_rejected_frac: float = 0.5
+    epochs: int = 1  # passes over each rollout batch
+    clip_eps: float = 0.2  # PPO clip, lower side
+    clip_eps_high: float = 0.2  # PPO clip, upper side
+    kl_coef: float = 1e-4  # weight of the k3 KL to the initial policy (0: no reference model)
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"  # loss aggregation (token-mean: DAPO)
+    rejected_in_baseline: bool = True  # vetoed sequences still count in their group's reward baseline (reference)
+    warn_rejected_frac: float = 0.5  # warn once when corrections reject more than this fraction of tokens
     micro_batch_size: int = 64  # rows per forward in recompute and update; bounds memory
+    reward_funcs: str = "task"  # comma-separated rewards: task (the task's own) and MODULE:FUNCTION or FILE.py:FUNCTION
+    reward_weights: str = ""  # comma-separated weights, one per reward function (default: all 1)
+    reward_timeout: float = 10.0  # seconds a reward function may take for one batch before its worker is killed
+    max_reward_failure_frac: float = 0.5  # stop the run when more completions than this fail in one reward function
 
 
 @dataclass
 class OutputConfig:
-    out: str = "runs/default"
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 2
-    eval_every: int = 10
-    eval_examples: int = 200
-    # Also evaluate under sparse inference (this run's KV settings) on eval steps; `compare` always does.
-    eval_sparse_inference: bool = False
+    out: str = "runs/default"  # the run directory
+    checkpoint_every: int = 10  # steps between checkpoints (and one at the end, and on Ctrl-C)
+    keep_checkpoints: int = 2  # newest checkpoints kept (>= 1)
+    eval_every: int = 10  # steps between held-out evaluations (0: none)
+    eval_examples: int = 200  # held-out prompts per evaluation
+    eval_sparse_inference: bool = False  # also evaluate under this run's KV cache (compare always does)
     log_with: str = "tensorboard"  # comma-separated: tensorboard, trackio, wandb, none
+
+
+@dataclass
+class WarmupConfig:
+    """`sparserl warmup`: the supervised warm start of the built-in model (see `sparserl.warmup`)."""
+
+    out: str = "warmup-model"  # where the model directory is written
+    seed: int = 0  # model initialisation and the demonstration stream
+    letters: int = 26  # the target task's difficulty (longest cycle)
+    batch_size: int = 32  # demonstrations per step
+    lr: float = 2e-3  # AdamW learning rate
+    warmup_steps: int = 50  # linear learning-rate warm-up
+    weight_decay: float = 0.01  # AdamW weight decay
+    max_steps: int = 12000  # give up after this many steps
+    probe_every: int = 25  # steps between probes in the early stages
+    final_probe_every: int = 10  # steps between probes in the last (target) stage
+    stage_probe_examples: int = 64  # prompts per early-stage probe
+    probe_examples: int = 200  # held-out target prompts per last-stage probe
+    band_low: float = 0.30  # the band of held-out exact walks a shipped model must be in
+    band_high: float = 0.80  # (upper end)
+    stop_at: float = 0.50  # stop at the first probe in the band at or above this
+    # Early stages: (min letters, max letters, exact-walk rate at this stage that moves on); the
+    # target distribution follows as the last stage.
+    curriculum: list[tuple[int, int, float]] = field(
+        default_factory=lambda: [(3, 8, 0.9), (3, 14, 0.9)])
+    threads: int = 1  # torch threads (fixed, so that the same seed gives the same weights)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """The trailing `# comment` of each field in `cls`'s source: the field's one-line --help."""
+    import inspect
+    import re
+
+    pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
 
 
 @dataclass
@@ -187,7 +225,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Defaults, then the YAML file, then `overrides` (leaf name -> value, e.g. from the CLI)."""
     values: dict[str, Any] = {}
     if path is not None:
-        values.update(_read_yaml(Path(path)))
+        values.update(read_yaml(Path(path)))
     values.update({k: v for k, v in (overrides or {}).items()})
     index = field_index()
     sections: dict[str, dict[str, Any]] = {name: {} for name in _sections()}
@@ -208,7 +246,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return config
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
@@ -248,26 +286,81 @@ def validate(config: ExperimentConfig) -> None:
         (config.train.clip_eps_high > 0, "clip_eps_high must be > 0"),
         (config.train.kl_coef >= 0, "kl_coef must be >= 0"),
         (config.output.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
-        (config.task.difficulty >= 2, "difficulty must be >= 2"),
+        (3 <= config.task.difficulty <= 26, "difficulty must be in 3..26 (letters in the longest cycle)"),
+        (config.task.min_difficulty == 0 or 3 <= config.task.min_difficulty <= config.task.difficulty,
+         "min_difficulty must be 0 (difficulty - 10) or in 3..difficulty"),
+    ]
+    checks += [
+        (config.output.keep_checkpoints >= 1, "keep_checkpoints must be >= 1 (the newest is always kept)"),
+        (config.output.eval_every >= 0, "eval_every must be >= 0 (0: no evaluation during training)"),
+        (config.output.eval_examples >= 1, "eval_examples must be >= 1"),
+        (config.task.max_new_tokens >= 0, "max_new_tokens must be >= 0 (0: the task's own response bound)"),
+        (config.train.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
+        (config.train.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
+        (0 <= config.train.max_reward_failure_frac <= 1, "max_reward_failure_frac must be in [0, 1]"),
+        (config.model.threads >= 0, "threads must be >= 0 (0: torch's default)"),
+        (config.task.task in TASKS or config.task.task.startswith("gym:"),
+         f"task {config.task.task!r} is unknown; choose one of {', '.join(TASKS)} or gym:<dataset>"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _validate_kv_policy(config.rollout)
     total = config.rollout.prompts_per_step * config.rollout.group_size
     if total % config.train.minibatches:
         raise ConfigError(f"minibatches ({config.train.minibatches}) must divide prompts_per_step x group_size ({total})")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One `--flag` per config field, grouped by section, showing its default and type."""
+TASKS = ("pointer_walk", "math_jsonl", "reasoning_gym")
+# Config fields that set a KV policy's constructor argument of the given name.
+KV_POLICY_OPTIONS = {"kv_lambda": "lam", "kv_similarity_threshold": "similarity_threshold",
+                     "kv_kernel_size": "kernel_size", "kv_pooling": "pooling", "kv_sinks": "sinks"}
+
+
+def _validate_kv_policy(rollout: RolloutConfig) -> None:
+    """An unknown policy, or an option set away from its default that the policy does not take, is an error."""
+    import inspect
+
+    from .rollout.kv_policies import POLICIES
+
+    if rollout.kv_policy not in POLICIES:
+        raise ConfigError(f"kv_policy {rollout.kv_policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
+    accepted = inspect.signature(POLICIES[rollout.kv_policy]).parameters
+    defaults = RolloutConfig()
+    for name, parameter in KV_POLICY_OPTIONS.items():
+        if getattr(rollout, name) != getattr(defaults, name) and parameter not in accepted:
+            takers = sorted(p for p, cls in POLICIES.items() if parameter in inspect.signature(cls).parameters)
+            raise ConfigError(f"--{name.replace('_', '-')} does not apply to kv_policy {rollout.kv_policy}; "
+                              f"it is an option of {', '.join(takers)}")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                         skip: tuple[str, ...] = ()) -> None:
+    """One `--flag` per config field, grouped by section, with its one-line help, valid values and
+    default. `only` names the sections (or single fields) a command uses; `skip` drops fields."""
     index = field_index()
-    groups = {name: parser.add_argument_group(f"{name} settings") for name in _sections()}
+    helps = {name: text for cls in _sections().values() for name, text in field_help(cls).items()}
+    groups = {name: parser.add_argument_group(f"{name} settings") for name in _sections()
+              if only is None or name in only or any(index[f][0] == name for f in only if f in index)}
     for name, (section, annotation, default) in index.items():
-        if name in skip:
+        if name in skip or section not in groups or (only is not None and section not in only and name not in only):
             continue
+        shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
         groups[section].add_argument(
-            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None, metavar=_metavar(annotation),
-            help=f"(default: {default})")
+            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None,
+            metavar=_named_choices(name) or _metavar(annotation),
+            help=f"{helps.get(name, '')} (default: {shown})")
+
+
+def _named_choices(name: str) -> str | None:
+    """The valid values of the string fields that name a registered thing."""
+    if name == "kv_policy":
+        from .rollout.kv_policies import POLICIES
+
+        return "{" + ",".join(sorted(POLICIES)) + "}"
+    if name == "task":
+        return "{" + ",".join(TASKS) + ",gym:NAME}"
+    return None
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -277,12 +370,15 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def _metavar(annotation: Any) -> str:
     if typing.get_origin(annotation) is Literal:
         return "{" + ",".join(map(str, typing.get_args(annotation))) + "}"
+    if typing.get_origin(annotation) is tuple:
+        return ",".join(["LOW", "HIGH"] if len(typing.get_args(annotation)) == 2 else ["VALUE"] * 3)
     names = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}
     if annotation in names:
         return names[annotation]
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if args:
-        return _metavar(args[0]) if len(args) == 1 else "VALUE"
+        inner = _metavar(args[0]) if len(args) == 1 else "VALUE"
+        return f"{inner}|none" if type(None) in typing.get_args(annotation) else inner
     return "VALUE"
 
 

@@ -32,12 +32,12 @@ class CorrectionConfig:
     batch_normalize: divide the weights by their mean over all response tokens of the batch.
     """
 
-    veto_threshold: float | None = 1e-4
-    band: tuple[float, float] | None = (0.5, 1.5)
-    is_mode: Literal["truncate", "clip", "mask", "none"] = "truncate"
-    is_cap: float = 1.5
-    is_level: Literal["token", "sequence", "geometric"] = "token"
-    batch_normalize: bool = True
+    veto_threshold: float | None = 1e-4  # reject a whole sequence with any token of ξ below this (none: no veto)
+    band: tuple[float, float] | None = (0.5, 1.5)  # keep only tokens with LOW <= ξ <= HIGH, as LOW,HIGH (none: no band)
+    is_mode: Literal["truncate", "clip", "mask", "none"] = "truncate"  # how ξ becomes an importance weight
+    is_cap: float = 1.5  # the weights' cap C
+    is_level: Literal["token", "sequence", "geometric"] = "token"  # ratio per token, its product, or geometric mean
+    batch_normalize: bool = True  # divide the weights by their batch mean
 
     def __post_init__(self) -> None:
         if self.veto_threshold is not None and not self.veto_threshold > 0:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
-from .tasks.base import Example, Task, reward_columns
+from .tasks.base import Example, Task, reward_columns, walk_metrics
 
 
 @dataclass
@@ -23,17 +25,24 @@ class Completions:
 
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
              compression: KVCompression | None = None, batch_size: int = 256, samples: int = 1,
-             generator: torch.Generator | None = None) -> Completions:
-    """Sample `samples` completions per example (grouped: example i's come out consecutively)."""
+             generator: torch.Generator | None = None, progress: str | None = None) -> Completions:
+    """Sample `samples` completions per example (grouped: example i's come out consecutively).
+    `progress`: a label for a progress bar over the decode steps, None for silence."""
     engine = RolloutEngine(model, compression, record_evictions=False)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
     texts, batches = [], []
-    for start in range(0, len(prompts), batch_size):
-        batch = engine.generate(prompts[start:start + batch_size], sampling, generator)
+    starts = range(0, len(prompts), batch_size)
+    bar = tqdm(total=len(starts) * max_new_tokens, desc=progress, unit="tok", leave=False,
+               disable=progress is None)
+    for start in starts:
+        batch = engine.generate(prompts[start:start + batch_size], sampling, generator, on_step=bar.update)
+        bar.n = (len(batches) + 1) * max_new_tokens  # the batch may stop early: count it as done
+        bar.refresh()
         texts.extend(decode_responses(tokenizer, batch))
         batches.append(batch)
+    bar.close()
     return Completions(texts, batches)
 
 
@@ -42,11 +51,13 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-def greedy_accuracy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
-                    compression: KVCompression | None = None) -> float:
+def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
+                  compression: KVCompression | None = None) -> dict[str, float]:
+    """Greedy `accuracy` (reward 1) on `examples`, plus the task's `walk_metrics` where it has them."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression)
     rewards = task.reward(done.texts, **reward_columns(examples))
-    return sum(r >= 1.0 for r in rewards) / max(len(rewards), 1)
+    return {"accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            **walk_metrics(task, done.texts, examples)}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -54,6 +65,44 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def resolve_model(path: str | None) -> tuple[str | None, Path | None]:
+    """(model directory, the saved run config that goes with it) for `--model`, which may name a
+    plain model directory, a run directory (its latest intact checkpoint), a checkpoint or its policy."""
+    from .checkpoint import latest_good_checkpoint
+
+    if path is None:
+        return None, None
+    given = Path(path).expanduser()
+    if (given / "checkpoints").is_dir():
+        checkpoint = latest_good_checkpoint(given)
+        if checkpoint is None:
+            raise FileNotFoundError(f"--model {given} is a run directory without an intact checkpoint; "
+                                    "train it further or pass a checkpoint's policy directory")
+        return str(checkpoint / "policy"), checkpoint / "config.yaml"
+    if (given / "policy").is_dir() and (given / "config.yaml").exists():
+        return str(given / "policy"), given / "config.yaml"
+    if given.name == "policy" and (given.parent / "config.yaml").exists():
+        return str(given), given.parent / "config.yaml"
+    return str(given), None
+
+
+def config_for_eval(config_file: str | None, overrides: dict):
+    """The config `sparserl eval` runs with: the run's saved one when --model names a run or a
+    checkpoint (its task, data, sampling and KV settings), then --config, then the flags."""
+    from .config import load_config, read_yaml
+
+    model, saved = resolve_model(overrides.get("model"))
+    overrides = dict(overrides)
+    if model is not None:
+        overrides["model"] = model
+    if saved is None:
+        return load_config(config_file, overrides)
+    base = {k: v for k, v in read_yaml(saved).items() if k not in ("model", "out")}
+    if config_file is not None:
+        base.update(read_yaml(Path(config_file)))
+    return load_config(None, {**base, **overrides})
 
 
 def run_eval(config, n: int, samples: int, inference: str) -> dict:
@@ -74,7 +123,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     for mode in modes:
         compression = KVCompression.from_rollout_config(config.rollout) if mode == "sparse" else None
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
-                         config.rollout.temperature, config.train.seed)
+                               config.rollout.temperature, config.train.seed, progress=True)
         report[mode] = part
     headline = report[modes[0]]
     report.update(headline)
@@ -83,17 +132,21 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
 
 
 def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
-              compression: KVCompression | None, samples: int, temperature: float, seed: int) -> dict:
-    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression)
+                    compression: KVCompression | None, samples: int, temperature: float, seed: int,
+                    progress: bool = False) -> dict:
+    kind = "dense" if compression is None else "sparse"
+    label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
+    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, progress=label("greedy"))
     correct = [r >= 1.0 for r in task.reward(greedy.texts, **reward_columns(examples))]
-    result = {"accuracy": sum(correct) / max(len(correct), 1), **_token_figures(greedy.batches)}
+    result = {"accuracy": sum(correct) / max(len(correct), 1), **walk_metrics(task, greedy.texts, examples),
+              **_token_figures(greedy.batches)}
     if compression is not None:
         result["kv"] = {"policy": compression.policy, "budget": compression.budget,
                         "window": compression.window, "interval": compression.interval,
                         **_kv_figures(greedy.batches)}
     if samples > 0:
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                           generator=torch.Generator().manual_seed(seed))
+                           generator=torch.Generator().manual_seed(seed), progress=label("sampled"))
         hits = [r >= 1.0 for r in task.reward(sampled.texts, **reward_columns(examples, samples))]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]

@@ -1,7 +1,8 @@
 """Where per-step metrics go: `metrics.jsonl` (always), TensorBoard, and trackio or wandb if asked.
 
-On resume the JSONL file is cut back to the checkpoint's step, so a resumed run's file reads as
-if it had never stopped.
+On resume the JSONL file is cut back to the checkpoint's step (and a line torn by a kill is
+dropped), so a resumed run's file reads as if it had never stopped and holds each step once. A
+fresh run starts an empty file.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, backends: str, resume_step: int, run_name: str, config: dict):
+    def __init__(self, run_dir: Path, backends: str, resume_step: int | None, run_name: str, config: dict):
+        """`resume_step`: the checkpoint's step when resuming, None for a fresh run."""
         self.path = run_dir / METRICS_FILE
-        _truncate_after(self.path, resume_step)
+        _truncate_after(self.path, -1 if resume_step is None else resume_step)
+        resume_step = resume_step or 0
         self.tensorboard = None
         self.trackers: list[Any] = []
         names = {b.strip() for b in backends.split(",") if b.strip() and b.strip() != "none"}
@@ -56,9 +59,23 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file. A torn last line (a run killed mid-write) is skipped with a
+    warning; a bad line elsewhere is an error that names the file and the line."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):
+                warnings.warn(f"{path}: line {number} was cut off by an interrupted write; ignoring it")
+                continue
+            raise ValueError(f"{path}: line {number} is not valid JSON; remove or repair that line") from None
+    return records
 
 
 def _truncate_after(path: Path, step: int) -> None:

@@ -12,10 +12,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel
 
+from .config import ConfigError
+
 BUILTIN_MODEL_DIR = "builtin-pointer-walk"
 
 
-class ModelFilesError(RuntimeError):
+class ModelFilesError(ConfigError):
     """A model directory that cannot be used, with what to do about it."""
 
 
@@ -54,8 +56,13 @@ def load_policy(path: str | None, dtype: torch.dtype = torch.float32):
     """Return (model, tokenizer) from a model directory; None means the built-in model."""
     directory = resolve_model_path(path)
     check_model_dir(directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - safetensors, json and torch each raise their own kind
+        raise ModelFilesError(f"cannot load the model in {directory} ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else 'no detail'}); a file there is "
+                              "truncated or corrupt: save the model again with save_pretrained") from None
     prepare_tokenizer(tokenizer, model)
     model.config.use_cache = True
     return model, tokenizer

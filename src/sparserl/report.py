@@ -1,14 +1,17 @@
-"""The comparison report: plots, the paper-style table and computed findings for `sparserl compare`.
+"""The comparison report: the regime, the paper-style table over seeds, and computed verdicts.
 
-`write_report(dir)` reads `dir/compare.json` (which modes were asked for, the config) and, for each
-mode, `dir/<mode>/metrics.jsonl` and `dir/<mode>/final_eval.json`. It writes five PNG plots and
-`report.md` into `dir`. A mode with no run directory is reported as "not run"; one without a
-readable `final_eval.json` as "incomplete" (its numbers then come from the metrics file alone).
-`paper_table(dir)` returns just the main table, for the command line to print.
+`write_report(dir)` reads `dir/compare.json` (modes, seeds, config) and, for each mode and seed,
+`dir/<mode>/seed<S>/metrics.jsonl` and `final_eval.json`. It writes the plots (`report_plots.py`)
+and `report.md` into `dir`. `paper_table(dir)` returns the regime line and the main table, for
+the command line to print.
+
+Every cell is the mean over seeds with the min–max range. A verdict (improved, held, degraded,
+collapsed; a paper claim met or not met) is stated only when every seed agrees; otherwise it is
+`mixed`, with the per-seed values. A mode with no run directory is reported as "not run"; one
+without a readable `final_eval.json` as "incomplete" (its numbers come from the metrics alone).
 
 KV columns describe the *training rollouts* (what Sparse-RL's "KV storage saved" measures): the
-mean of `kv_kept_frac` and the largest `kv_peak_bytes` / `kv_dense_bytes` over the steps. Only
-when the metrics lack them do they fall back to the held-out sparse evaluation's KV figures.
+mean of `kv_kept_frac` and the largest `kv_peak_bytes` / `kv_dense_bytes` over the steps.
 """
 
 from __future__ import annotations
@@ -18,26 +21,19 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # before pyplot: reports are written on headless machines
-import matplotlib.pyplot as plt  # noqa: E402
-
-MODE_COLOURS = {"dense": "#1f77b4", "naive-sparse": "#d62728", "sparse-rl": "#2ca02c",
-                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd"}
-PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "kv_memory.png", "rollout_time.png")
 MIB = 1024 ** 2
-# Thresholds of the findings, stated in the report too.
+# Thresholds of the verdicts, stated in the report too.
 COLLAPSE_FRAC = 0.5     # collapsed: final dense-inference accuracy < 50% of its step-0 value
 DEGRADE_POINTS = 5.0    # degraded / improved: more than 5 accuracy points below / above step 0
-TARGET_ACC_FRAC = 97.0  # paper: Sparse-RL keeps >= 97% of dense accuracy ...
-TARGET_KV_SAVED = 50.0  # ... with >= 50% fewer KV tokens
-TABLE_HEADER = ("Mode", "Held-out acc (dense inference)", "Held-out acc (sparse inference)",
-                "Acc at step 0 (dense / sparse)", "KV tokens kept (% of dense)", "KV saved",
-                "Peak KV MiB (sparse / dense)", "Rollout s (total)", "Train time (total)",
-                "Final train reward", "Vetoed seq. (mean)", "Skipped steps")
-MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean"), ("veto_frac", "mean"),
-                 ("band_mask_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"))
+TARGET_ACC_FRAC = 97.0  # paper: Sparse-RL keeps ~97% of dense accuracy ...
+MIN_EVAL_EXAMPLES = 100  # below this many held-out examples (or MIN_STEPS steps) verdicts carry a caveat
+MIN_STEPS = 20
+TABLE_HEADER = ("Mode", "Held-out acc (dense inf.)", "Held-out acc (sparse inf.)", "Exact walks (dense inf.)",
+                "Acc at step 0 (dense / sparse)", "KV saved", "Peak KV MiB (sparse / dense)", "Rollout s",
+                "Final train reward", "Vetoed seq. / step", "Skipped steps")
+MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean"), ("flagged_veto_frac", "mean"),
+                 ("flagged_band_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"),
+                 ("walk_exact", "mean"))
 DASH = "—"
 
 
@@ -50,8 +46,8 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _read_records(path: Path) -> list[dict]:
-    # A run killed mid-write leaves a partial last line; skip bad lines instead of failing the report.
+def read_records(path: Path) -> list[dict]:
+    """The step records of a metrics file, sorted; a torn last line (a killed run) is skipped."""
     records = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -64,15 +60,7 @@ def _read_records(path: Path) -> list[dict]:
     return sorted(records, key=lambda r: r["step"])
 
 
-def _modes(compare_dir: Path, meta: dict) -> list[str]:
-    if meta.get("modes"):
-        return list(meta["modes"])
-    # No compare.json: report whatever run directories are there, in the canonical order first.
-    found = [p.name for p in compare_dir.iterdir() if (p / "metrics.jsonl").exists()]
-    return sorted(found, key=lambda m: (list(MODE_COLOURS).index(m) if m in MODE_COLOURS else 99, m))
-
-
-def _series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
+def series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
     pairs = [(r["step"], float(r[key])) for r in steps if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -81,103 +69,127 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _summarise(mode: str, run_dir: Path) -> dict[str, Any]:
-    """Everything the table, findings and plots need about one mode; missing values are None."""
+def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
+    """Everything the tables, verdicts and plots need about one run; missing values are None."""
     if not run_dir.is_dir():
-        return {"mode": mode, "status": "not run", "steps": []}
-    records = _read_records(run_dir / "metrics.jsonl")
-    final = _read_json(run_dir / "final_eval.json")
+        return {"mode": mode, "status": "not run", "steps": [], "evals": []}
+    records = read_records(run_dir / "metrics.jsonl")
+    final = _read_json(run_dir / "final_eval.json") or {}
     steps = [r for r in records if r["step"] >= 1 and "reward_mean" in r]  # step 0 is eval-only
     evals = [r for r in records if "eval_accuracy_dense" in r]
     start = next((r for r in records if r["step"] == 0), {})
     s = {"mode": mode, "status": "done" if final else "incomplete", "steps": steps, "evals": evals}
-    # Held-out accuracy: the final evaluation; an incomplete run shows its latest in-training one.
     last_eval = evals[-1] if evals and evals[-1]["step"] > 0 else {}
     for kind in ("dense", "sparse"):
-        fin = (final or {}).get(kind) or {}
+        fin = final.get(kind) or {}
         s[f"acc_{kind}"] = fin.get("accuracy", last_eval.get(f"eval_accuracy_{kind}"))
+        s[f"exact_{kind}"] = fin.get("walk_exact", last_eval.get(f"eval_walk_exact_{kind}"))
         s[f"acc0_{kind}"] = start.get(f"eval_accuracy_{kind}")
-    kv_eval = ((final or {}).get("sparse") or {}).get("kv") or {}
-    kept = _mean(_series(steps, "kv_kept_frac")[1])
-    s["kv_kept"] = kept if kept is not None else kv_eval.get("kept_token_frac")
-    peaks, denses = _series(steps, "kv_peak_bytes")[1], _series(steps, "kv_dense_bytes")[1]
-    s["kv_peak"] = max(peaks) if peaks else kv_eval.get("kv_peak_bytes")
-    s["kv_dense"] = max(denses) if denses else kv_eval.get("kv_dense_bytes")
-    s["rollout_total"] = (final or {}).get("rollout_seconds", sum(_series(steps, "rollout_s")[1]) if steps else None)
-    s["train_total"] = (final or {}).get("train_seconds", sum(_series(steps, "step_s")[1]) if steps else None)
-    rewards = _series(steps, "reward_mean")[1]
-    tail = max(1, math.ceil(len(rewards) / 10))  # "final" reward = mean of the last 10% of steps
-    s["final_reward"] = _mean(rewards[-tail:])
-    s["vetoed_mean"] = _mean(_series(steps, "vetoed_sequences")[1])
-    skipped = _series(steps, "skipped_steps")[1]
-    s["skipped"] = int(skipped[-1]) if skipped else (int(sum(_series(steps, "skipped")[1])) if steps else None)
+    kept = _mean(series(steps, "kv_kept_frac")[1])
+    kv_eval = (final.get("sparse") or {}).get("kv") or {}
+    s["kv_saved"] = None if kept is None and not kv_eval else 1.0 - (kept if kept is not None else kv_eval["kept_token_frac"])
+    peaks, denses = series(steps, "kv_peak_bytes")[1], series(steps, "kv_dense_bytes")[1]
+    s["kv_peak"] = max(peaks) / MIB if peaks else None
+    s["kv_dense"] = max(denses) / MIB if denses else None
+    s["kv_peak_frac"] = max(series(steps, "kv_peak_frac")[1], default=None)
+    s["rollout_total"] = final.get("rollout_seconds", sum(series(steps, "rollout_s")[1]) if steps else None)
+    rewards = series(steps, "reward_mean")[1]
+    s["final_reward"] = _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):])  # the last 10% of steps
+    s["vetoed_mean"] = _mean(series(steps, "vetoed_sequences")[1])
+    skipped = series(steps, "skipped_steps")[1]
+    s["skipped"] = skipped[-1] if skipped else None
+    s["veto0"] = steps[0].get("flagged_veto_frac") if steps else None
     for key, how in MISMATCH_KEYS:
-        values = _series(steps, key)[1]
+        values = series(steps, key)[1]
         s[key] = (min(values) if values else None) if how == "min" else _mean(values)
-    buckets = {k for r in steps for k in r if k.startswith("veto_frac_len_")}  # empty buckets are omitted per step
-    s["veto_by_len"] = {k: _mean(_series(steps, k)[1]) for k in buckets}
+    buckets = {k for r in steps for k in r if k.startswith("flagged_veto_frac_len_")}
+    s["veto_by_len"] = {k: _mean(series(steps, k)[1]) for k in buckets}
     return s
 
 
-def _load(compare_dir: Path) -> tuple[dict, list[dict]]:
+def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """(compare.json, {mode: [one summary per seed]})."""
     compare_dir = Path(compare_dir)
     meta = _read_json(compare_dir / "compare.json") or {}
-    return meta, [_summarise(m, compare_dir / m) for m in _modes(compare_dir, meta)]
+    seeds = meta.get("seeds") or [0]
+    runs = {mode: [summarise_run(mode, compare_dir / mode / f"seed{seed}") for seed in seeds]
+            for mode in meta.get("modes", [])}
+    return meta, runs
 
 
-# ---------------------------------------------------------------------------------- tables
-def _pct(x: float | None) -> str:
-    return DASH if x is None else f"{100 * x:.1f}%"
+# ---------------------------------------------------------------------------------- cells
+def _fmt(x: float, kind: str) -> str:
+    if kind == "pct":
+        return f"{100 * x:.1f}"
+    if kind == "pts":
+        return f"{100 * x:+.1f}"
+    if kind == "int":
+        return f"{x:.0f}"
+    return f"{x:{kind}}"
 
 
-def _num(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
-    return DASH if x is None else f"{x:{fmt}}{unit}"
+def cell(values: list[float | None], kind: str = "pct") -> str:
+    """Mean over seeds with (min–max) when there are several; "%" appended for percentages."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return DASH
+    unit = {"pct": "%", "pts": " pts"}.get(kind, "")
+    mean = _fmt(sum(known) / len(known), kind) + unit
+    if len(known) == 1:
+        return mean
+    return f"{mean} ({_fmt(min(known), kind)}–{_fmt(max(known), kind)})"
 
 
-def _kv_kept_pct(s: dict) -> float | None:
-    return None if s.get("kv_kept") is None else 100.0 * s["kv_kept"]
+def _row(mode: str, seeds: list[dict]) -> list[str]:
+    done = [s for s in seeds if s["status"] != "not run"]
+    if not done:
+        return [f"{mode} (not run)"] + [DASH] * (len(TABLE_HEADER) - 1)
+    col = lambda key: [s.get(key) for s in done]  # noqa: E731
+    incomplete = sum(s["status"] == "incomplete" for s in done)
+    label = mode + (f" ({incomplete} incomplete)" if incomplete else "") + \
+        (f" ({len(done)} of {len(seeds)} seeds)" if len(done) < len(seeds) else "")
+    peak = DASH if all(v is None for v in col("kv_peak")) else f"{cell(col('kv_peak'), '.2f')} / {cell(col('kv_dense'), '.2f')}"
+    vetoes = any(v for v in col("vetoed_mean"))
+    return [label, cell(col("acc_dense")), cell(col("acc_sparse")), cell(col("exact_dense")),
+            f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}", cell(col("kv_saved")), peak,
+            cell(col("rollout_total"), ".1f"), cell(col("final_reward"), ".3f"),
+            cell(col("vetoed_mean"), ".2f") if vetoes else DASH, cell(col("skipped"), "int")]
 
 
-def _row(s: dict) -> list[str]:
-    if s["status"] == "not run":
-        return [f"{s['mode']} (not run)"] + [DASH] * (len(TABLE_HEADER) - 1)
-    kept = _kv_kept_pct(s)
-    mib = (DASH if s["kv_peak"] is None or s["kv_dense"] is None
-           else f"{s['kv_peak'] / MIB:.2f} / {s['kv_dense'] / MIB:.2f}")
-    return [s["mode"] + (" (incomplete)" if s["status"] == "incomplete" else ""),
-            _pct(s["acc_dense"]), _pct(s["acc_sparse"]), f"{_pct(s['acc0_dense'])} / {_pct(s['acc0_sparse'])}",
-            _num(kept, ".1f", "%"), _num(None if kept is None else 100.0 - kept, ".1f", "%"), mib,
-            _num(s["rollout_total"], ".1f"), _num(s["train_total"], ".1f", " s"), _num(s["final_reward"], ".3f"),
-            _num(s["vetoed_mean"], ".2f"), _num(s["skipped"], "d")]
-
-
-def _markdown(header: list[str] | tuple, rows: list[list[str]]) -> str:
+def _markdown(header, rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """The regime descriptors of SPEC §6, from the sparse runs' step 0 (the start model)."""
+    sparse = [s for mode, seeds in runs.items() if mode != "dense" for s in seeds if s["status"] != "not run"]
+    gaps = [s["acc0_dense"] - s["acc0_sparse"] for s in sparse
+            if s.get("acc0_dense") is not None and s.get("acc0_sparse") is not None]
+    return {"gap0": gaps, "veto0": [s["veto0"] for s in sparse if s.get("veto0") is not None],
+            "kv_peak_frac": [s["kv_peak_frac"] for s in sparse if s.get("kv_peak_frac") is not None],
+            "kv_saved": [s["kv_saved"] for s in sparse if s.get("kv_saved") is not None]}
+
+
+def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
+    r = regime(runs)
+    return (f"Regime: KV budget {_setting(config, 'kv_budget')} ({_setting(config, 'kv_policy')}, window "
+            f"{_setting(config, 'kv_window')}, interval {_setting(config, 'kv_interval')}); step-0 greedy accuracy "
+            f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
+            f"peak KV {cell(r['kv_peak_frac'])} of dense; KV tokens saved {cell(r['kv_saved'])}; "
+            "α tail: not measured (Sparrow part 1).")
+
+
 def paper_table(compare_dir: Path) -> str:
-    """The paper-style table (markdown), one row per mode in compare.json's order."""
-    return _markdown(TABLE_HEADER, [_row(s) for s in _load(compare_dir)[1]])
+    """The regime line and the paper-style table (markdown), one row per mode."""
+    meta, runs = load(compare_dir)
+    seeds = meta.get("seeds") or [0]
+    table = _markdown(TABLE_HEADER, [_row(mode, s) for mode, s in runs.items()])
+    return f"{regime_line(runs, meta.get('config') or {})}\nSeeds: {', '.join(map(str, seeds))} " \
+           f"(cells: mean (min–max)).\n\n{table}"
 
 
-def _mismatch_table(runs: list[dict]) -> str:
-    header = ["Mode"] + [f"{k} ({how})" for k, how in MISMATCH_KEYS]
-    rows = [[s["mode"]] + [_num(s[k], ".4g") for k, _ in MISMATCH_KEYS] for s in runs if s.get("steps")]
-    return _markdown(header, rows) if rows else "_No training steps were logged._"
-
-
-def _length_table(runs: list[dict]) -> str:
-    keys = {k for s in runs for k in s.get("veto_by_len", {})}
-    ordered = sorted(keys, key=lambda k: int(k.split("_")[3]))  # veto_frac_len_<lo>_<hi>: sort by lo
-    if not ordered:
-        return "_No rejection-by-length metrics were logged._"
-    header = ["Mode"] + ["len " + "–".join(k.split("_")[3:5]).replace("inf", "∞") for k in ordered]
-    rows = [[s["mode"]] + [_num(s["veto_by_len"].get(k), ".3f") for k in ordered] for s in runs if s.get("steps")]
-    return _markdown(header, rows)
-
-
-# ---------------------------------------------------------------------------------- findings
+# ---------------------------------------------------------------------------------- verdicts
 def classify_trajectory(start: float, final: float) -> str:
     """collapsed / degraded / held / improved: final dense-inference accuracy against step 0."""
     if final < COLLAPSE_FRAC * start:
@@ -187,139 +199,58 @@ def classify_trajectory(start: float, final: float) -> str:
     return "improved" if 100 * (final - start) > DEGRADE_POINTS else "held"
 
 
-def _met(ok: bool) -> str:
-    return "**met**" if ok else "**not met**"
+def agree(labels: list[str], details: list[str]) -> str:
+    """The verdict when every seed gives the same one, else `mixed` with the per-seed values."""
+    if labels and all(label == labels[0] for label in labels):
+        return f"**{labels[0]}** ({'; '.join(details)})"
+    return "**mixed** (" + "; ".join(f"seed {i}: {label}, {d}" for i, (label, d) in enumerate(zip(labels, details))) + ")"
 
 
-def findings(runs: list[dict]) -> list[str]:
+def findings(runs: dict[str, list[dict]], seeds: list[int]) -> list[str]:
     """Plain sentences computed from the numbers; each states the values it rests on."""
-    by = {s["mode"]: s for s in runs if s["status"] != "not run"}
     out = []
-    dense = by.get("dense", {})
-    for s in by.values():
-        if s["mode"] != "dense" and s.get("acc_dense") is not None and dense.get("acc_dense"):
-            kept = _kv_kept_pct(s)
-            saved = "" if kept is None else f" with {100 - kept:.1f}% fewer KV tokens in its training rollouts"
-            out.append(f"{s['mode']} reaches {100 * s['acc_dense'] / dense['acc_dense']:.1f}% of dense held-out "
-                       f"accuracy (dense inference){saved} ({_pct(s['acc_dense'])} vs {_pct(dense['acc_dense'])}).")
-    for s in by.values():
-        if s.get("acc0_dense") is not None and s.get("acc_dense") is not None:
-            out.append(f"{s['mode']} final accuracy vs its start (dense inference): "
-                       f"**{classify_trajectory(s['acc0_dense'], s['acc_dense'])}** "
-                       f"({_pct(s['acc0_dense'])} at step 0 → {_pct(s['acc_dense'])}).")
-    rl = by.get("sparse-rl", {})
-    if rl.get("acc_dense") is not None and dense.get("acc_dense"):
-        ratio = 100 * rl["acc_dense"] / dense["acc_dense"]
-        out.append(f"Target: Sparse-RL ≥ {TARGET_ACC_FRAC:.0f}% of dense accuracy — {_met(ratio >= TARGET_ACC_FRAC)} "
-                   f"({ratio:.1f}%).")
+    for mode, per_seed in runs.items():
+        pairs = [(s["acc0_dense"], s["acc_dense"]) for s in per_seed
+                 if s.get("acc0_dense") is not None and s.get("acc_dense") is not None]
+        if pairs and len(pairs) == len(per_seed):
+            out.append(f"{mode}, final vs step-0 accuracy (dense inference): " + agree(
+                [classify_trajectory(a, b) for a, b in pairs], [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
+    dense, rl = runs.get("dense", []), runs.get("sparse-rl", [])
+    both = [(d, r) for d, r in zip(dense, rl) if d.get("acc_dense") and r.get("acc_dense") is not None]
+    if both and len(both) == len(seeds):
+        ratios = [100 * r["acc_dense"] / d["acc_dense"] for d, r in both]
+        out.append(f"Paper claim: Sparse-RL keeps ≥ {TARGET_ACC_FRAC:.0f}% of dense accuracy — " + agree(
+            ["met" if x >= TARGET_ACC_FRAC else "not met" for x in ratios], [f"{x:.1f}%" for x in ratios]))
+        sparse_pairs = [(r["acc_sparse"], d["acc_sparse"]) for d, r in both
+                        if r.get("acc_sparse") is not None and d.get("acc_sparse") is not None]
+        if len(sparse_pairs) == len(both):
+            out.append("Paper claim: the Sparse-RL model loses less under sparse inference than the dense-trained "
+                       "one (sparse-inference accuracy ≥ dense-trained's) — " + agree(
+                           ["met" if a >= b else "not met" for a, b in sparse_pairs],
+                           [f"{100 * a:.1f}% vs {100 * b:.1f}%" for a, b in sparse_pairs]))
     else:
-        out.append("Target: Sparse-RL ≥ 97% of dense accuracy — cannot be evaluated (a run is missing).")
-    if _kv_kept_pct(rl) is not None:
-        saved = 100 - _kv_kept_pct(rl)
-        out.append(f"Target: Sparse-RL with ≥ {TARGET_KV_SAVED:.0f}% fewer KV tokens — "
-                   f"{_met(saved >= TARGET_KV_SAVED)} ({saved:.1f}% fewer).")
-    else:
-        out.append("Target: Sparse-RL with ≥ 50% fewer KV tokens — cannot be evaluated (no KV figures).")
-    if rl.get("acc_sparse") is not None and dense.get("acc_sparse") is not None:
-        a, b = rl["acc_sparse"], dense["acc_sparse"]
-        out.append(f"The sparse-rl model under sparse inference scores {_pct(a)} vs the dense-trained model's "
-                   f"{_pct(b)}. Target: Sparse-RL under sparse inference ≥ dense-trained under sparse "
-                   f"inference — {_met(a >= b)}.")
-    else:
-        out.append("Target: Sparse-RL under sparse inference ≥ dense-trained — cannot be evaluated (a run is missing).")
+        out.append("Paper claims: cannot be evaluated (a dense or sparse-rl run is missing for some seed).")
+    naive = runs.get("naive-sparse", [])
+    pairs = [(s["acc0_dense"], s["acc_dense"]) for s in naive if s.get("acc_dense") is not None]
+    if pairs and len(pairs) == len(seeds):
+        out.append("Paper claim: naive sparse training collapses — " + agree(
+            ["met" if classify_trajectory(a, b) == "collapsed" else "not met" for a, b in pairs],
+            [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
     return out
 
 
-# ---------------------------------------------------------------------------------- plots
-def _colour(mode: str, i: int) -> str:
-    return MODE_COLOURS.get(mode, f"C{i % 10}")
-
-
-def _moving_average(y: list[float]) -> list[float]:
-    w = max(2, len(y) // 10)  # light smoothing: a trailing window of ~10% of the run
-    return [sum(y[max(0, i - w + 1):i + 1]) / len(y[max(0, i - w + 1):i + 1]) for i in range(len(y))]
-
-
-def _save(fig, path: Path, axes) -> None:
-    for ax in axes:
-        if not ax.has_data():  # every run missing: say so instead of an empty frame
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        elif ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _plot_lines(runs, ax, key, style="-", suffix="", ma=False, log=False):
-    for i, s in enumerate(runs):
-        x, y = _series(s.get("steps", []), key)
-        if log:
-            y = [max(v, 1e-12) for v in y]  # log axis: keep exact-zero ratios visible at the floor
-        if x:
-            ax.plot(x, y, style, color=_colour(s["mode"], i), label=s["mode"] + suffix, lw=1.2)
-            if ma:
-                ax.plot(x, _moving_average(y), ":", color=_colour(s["mode"], i), alpha=0.5, lw=2)
-    if log and ax.has_data():
-        ax.set_yscale("log")
-
-
-def _plots(out: Path, runs: list[dict]) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
-    _plot_lines(runs, ax, "reward_mean", ma=True)
-    ax.set(title="Training reward (dotted: moving average)", xlabel="step", ylabel="reward_mean")
-    _save(fig, out / "reward.png", [ax])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, s in enumerate(runs):
-        for kind, style in (("dense", "-"), ("sparse", "--")):
-            x, y = _series(s.get("evals", []), f"eval_accuracy_{kind}")
-            if x:
-                ax.plot(x, [100 * v for v in y], style, marker="o", ms=3, color=_colour(s["mode"], i),
-                        label=f"{s['mode']} ({kind} inference)")
-    ax.set(title="Held-out accuracy (solid: dense inference, dashed: sparse)", xlabel="step", ylabel="accuracy (%)")
-    _save(fig, out / "accuracy.png", [ax])
-
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    _plot_lines(runs, axes[0, 0], "xi_q01", log=True, suffix=" xi_q01")
-    _plot_lines(runs, axes[0, 0], "xi_min", ":", log=True, suffix=" xi_min")
-    _plot_lines(runs, axes[0, 1], "kl_sampler_old")
-    _plot_lines(runs, axes[1, 0], "veto_frac", suffix=" veto")
-    _plot_lines(runs, axes[1, 0], "band_mask_frac", "--", suffix=" band")
-    _plot_lines(runs, axes[1, 1], "ess")
-    axes[0, 0].set(title="ξ 1% quantile (solid) and min (dotted)", ylabel="ξ = π_old / π_sparse")
-    axes[0, 1].set(title="KL(π_sparse ‖ π_old) on sampled tokens", ylabel="kl_sampler_old")
-    axes[1, 0].set(title="Veto (solid) and band-mask (dashed) fractions", ylabel="fraction")
-    axes[1, 1].set(title="Effective sample size of the weights", ylabel="ess")
-    for ax in axes.flat:
-        ax.set_xlabel("step")
-    fig.suptitle("Sampler / learner mismatch over training")
-    _save(fig, out / "mismatch.png", axes.flat)
-
-    have = [(i, s) for i, s in enumerate(runs) if s.get("kv_peak") is not None and s.get("kv_dense") is not None]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for j, (i, s) in enumerate(have):
-        left.bar(j - 0.2, s["kv_peak"] / MIB, 0.4, color=_colour(s["mode"], i), label=f"{s['mode']} peak")
-        left.bar(j + 0.2, s["kv_dense"] / MIB, 0.4, color="lightgrey", hatch="//", edgecolor="grey",
-                 label="dense-equivalent" if j == 0 else None)
-    kept = [(i, s) for i, s in enumerate(runs) if s.get("kv_kept") is not None]
-    for j, (i, s) in enumerate(kept):
-        right.bar(j, 100 * s["kv_kept"], color=_colour(s["mode"], i), label=s["mode"])
-    left.set_xticks(range(len(have)), [s["mode"] for _, s in have], fontsize=8)
-    right.set_xticks(range(len(kept)), [s["mode"] for _, s in kept], fontsize=8)
-    left.set(title="Peak KV memory in training rollouts", xlabel="mode", ylabel="MiB")
-    right.set(title="KV tokens kept (% of dense)", xlabel="mode", ylabel="% kept")
-    _save(fig, out / "kv_memory.png", [left, right])
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    _plot_lines(runs, left, "rollout_s")
-    timed = [(i, s) for i, s in enumerate(runs) if s.get("train_total") is not None]
-    for j, (i, s) in enumerate(timed):
-        right.bar(j, s["train_total"], color=_colour(s["mode"], i), label=s["mode"])
-    right.set_xticks(range(len(timed)), [s["mode"] for _, s in timed], fontsize=8)
-    left.set(title="Rollout time per step", xlabel="step", ylabel="rollout_s (s)")
-    right.set(title="Total training time", xlabel="mode", ylabel="seconds")
-    _save(fig, out / "rollout_time.png", [left, right])
+def caveat(runs: dict[str, list[dict]], config: dict) -> str | None:
+    examples = _setting(config, "eval_examples", None)
+    steps = _setting(config, "steps", None)
+    small = []
+    if isinstance(examples, int) and examples < MIN_EVAL_EXAMPLES:
+        small.append(f"{examples} held-out examples (< {MIN_EVAL_EXAMPLES})")
+    if isinstance(steps, int) and steps < MIN_STEPS:
+        small.append(f"{steps} steps (< {MIN_STEPS})")
+    seeds = len(next(iter(runs.values()), []))
+    if seeds < 3:
+        small.append(f"{seeds} seed(s) (< 3)")
+    return ("Caveat: verdicts rest on " + ", ".join(small) + "; treat them as indications.") if small else None
 
 
 # ---------------------------------------------------------------------------------- report
@@ -335,40 +266,56 @@ def _setting(config: dict, key: str, default: Any = "?") -> Any:
     return default
 
 
+def _mismatch_table(runs: dict[str, list[dict]]) -> str:
+    header = ["Mode"] + [f"{k} ({how})" for k, how in MISMATCH_KEYS]
+    rows = [[mode] + [cell([s.get(k) for s in seeds], ".4g") for k, _ in MISMATCH_KEYS]
+            for mode, seeds in runs.items() if any(s["steps"] for s in seeds)]
+    return _markdown(header, rows) if rows else "_No training steps were logged._"
+
+
+def _length_table(runs: dict[str, list[dict]]) -> str:
+    keys = {k for seeds in runs.values() for s in seeds for k in s.get("veto_by_len", {})}
+    ordered = sorted(keys, key=lambda k: int(k.split("_")[4]))  # flagged_veto_frac_len_<lo>_<hi>
+    if not ordered:
+        return "_No rejection-by-length metrics were logged._"
+    header = ["Mode"] + ["len " + "–".join(k.split("_")[4:6]).replace("inf", "∞") for k in ordered]
+    rows = [[mode] + [cell([s.get("veto_by_len", {}).get(k) for s in seeds], ".3f") for k in ordered]
+            for mode, seeds in runs.items() if any(s["steps"] for s in seeds)]
+    return _markdown(header, rows)
+
+
 def write_report(compare_dir: Path) -> Path:
-    """Write the five plots and report.md into `compare_dir`; return report.md's path."""
+    """Write the plots and report.md into `compare_dir`; return report.md's path."""
+    from .report_plots import PLOTS, write_plots
+
     compare_dir = Path(compare_dir)
-    meta, runs = _load(compare_dir)
-    _plots(compare_dir, runs)
+    meta, runs = load(compare_dir)
+    write_plots(compare_dir, runs)
     c = meta.get("config") or {}
     g = lambda k: _setting(c, k)  # noqa: E731
-    status = ", ".join(f"{s['mode']}" + ("" if s["status"] == "done" else f" ({s['status']})") for s in runs)
+    seeds = meta.get("seeds") or [0]
+    note = caveat(runs, c)
     lines = [
         "# Sparse-RL comparison report", "",
-        f"Modes: {status}. Each trained for {g('steps')} steps with seed {g('seed')} on the same data "
-        f"(task `{g('task')}`, difficulty {g('difficulty')}; {g('prompts_per_step')} prompts × {g('group_size')} "
-        f"samples per step). Sparse rollouts use KV policy `{g('kv_policy')}` with budget {g('kv_budget')} tokens, "
-        f"window {g('kv_window')}, compression every {g('kv_interval')} tokens."
+        f"Modes: {', '.join(runs)}; seeds {', '.join(map(str, seeds))}. Each run trained {g('steps')} steps on "
+        f"task `{g('task')}` (difficulty {g('difficulty')}; {g('prompts_per_step')} prompts × {g('group_size')} "
+        f"samples per step), held-out set of {g('eval_examples')} prompts."
         + (f" Started {meta['started']}." if meta.get("started") else ""), "",
-        "## Results", "", _markdown(TABLE_HEADER, [_row(s) for s in runs]), "",
-        "Held-out accuracies come from `final_eval.json` (incomplete runs: their latest in-training evaluation). "
-        "KV columns describe the training rollouts: KV tokens kept is the mean over steps of `kv_kept_frac`, "
-        "KV saved = 100 − kept, peak MiB are the largest over steps. Final train reward is the mean `reward_mean` "
-        "over the last 10% of steps.", "",
-        "## Mismatch metrics (over training)", "", _mismatch_table(runs), "",
-        "## Sequence rejection by response length (mean veto_frac per bucket)", "", _length_table(runs), "",
-        "## Plots", "",
-        "![Training reward](reward.png)", "", "![Held-out accuracy](accuracy.png)", "",
-        "![Mismatch metrics](mismatch.png)", "", "![KV memory](kv_memory.png)", "",
-        "![Rollout time](rollout_time.png)", "",
-        "## Findings", "",
+        paper_table(compare_dir), "",
+        "Cells are the mean over seeds with the (min–max) range. Held-out accuracies come from `final_eval.json` "
+        "(incomplete runs: their latest in-training evaluation); exact walks are responses equal to the "
+        "demonstration. KV saved is 1 − mean `kv_kept_frac` of the training rollouts; peak MiB is the largest "
+        "over steps. Final train reward is the mean `reward_mean` over the last 10% of steps.", "",
+        "## Mismatch metrics (over training)", "",
+        "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
+        _mismatch_table(runs), "",
+        "## Sequences flagged by the veto, by response length", "", _length_table(runs), "",
+        "## Plots", "", *[f"![{name}]({name})\n" for name in PLOTS],
+        "## Verdicts", "",
         f"Thresholds: *collapsed* if final dense-inference accuracy < {COLLAPSE_FRAC:.0%} of its step-0 value; "
         f"*degraded* if more than {DEGRADE_POINTS:.0f} points below step 0; *improved* if more than "
-        f"{DEGRADE_POINTS:.0f} points above; otherwise *held*. Paper targets: Sparse-RL ≥ {TARGET_ACC_FRAC:.0f}% of "
-        f"dense accuracy with ≥ {TARGET_KV_SAVED:.0f}% fewer KV tokens, and Sparse-RL under sparse inference ≥ the "
-        "dense-trained model under sparse inference.", "",
-    ] + [f"- {sentence}" for sentence in findings(runs)]
+        f"{DEGRADE_POINTS:.0f} points above; otherwise *held*. A verdict is given only when every seed agrees.", "",
+    ] + ([note, ""] if note else []) + [f"- {sentence}" for sentence in findings(runs, seeds)]
     path = compare_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
-

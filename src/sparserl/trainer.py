@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -17,23 +20,26 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_checkpoint
-from .config import ExperimentConfig, save_config
+from .checkpoint import TrainerState, load_trainer_state, save_checkpoint
+from .config import ExperimentConfig
 from .corrections import CorrectionConfig, compute_corrections, rejection_by_length
-from .evaluate import decode_responses, greedy_accuracy
+from .evaluate import decode_responses, greedy_scores
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
 from .models import load_policy
 from .recompute import batched_logprobs, micro_batches, response_logprobs
-from .rewards import safe_reward
+from .reward_runner import RewardRunner
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
-from .tasks.base import reward_columns
+from .run_dir import Resume, open_run_dir
+from .tasks.base import reward_columns, walk_metrics
 from .tasks.registry import max_new_tokens, task_from_config
 
 SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
 LENGTH_BUCKETS = 4
-# Metrics of what the mode actually trained on; the rest describe the mismatch (the same in every mode).
-APPLIED_METRICS = ("kept_token_frac", "kept_tokens", "ess", "weight_mean", "weight_max")
+# What Sparse-RL's default filters would flag, logged under these names in every mode (whatever the
+# mode applies) so that the mismatch is comparable across modes; `veto_frac` etc. are what was applied.
+FLAGGED_METRICS = {"veto_frac": "flagged_veto_frac", "band_mask_frac": "flagged_band_frac",
+                   "vetoed_sequences": "flagged_vetoed_sequences"}
 
 
 def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
@@ -52,17 +58,31 @@ def step_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM: the run stopped at a step boundary after saving a checkpoint."""
+
+    def __init__(self, step: int, run_dir: Path):
+        super().__init__(f"interrupted at step {step}; the last checkpoint is step {step} in {run_dir}; "
+                         "rerun the same command with --resume to continue")
+        self.step = step
+
+
 class GRPOTrainer:
-    def __init__(self, config: ExperimentConfig, resume: bool = False):
+    def __init__(self, config: ExperimentConfig, resume: Resume = "never", overwrite: bool = False,
+                 allow_config_change: bool = False):
         self.config = config
-        self.run_dir = Path(config.output.out)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = open_run_dir(config, resume, overwrite, allow_config_change)
+        try:
+            self._build(config, self.run.resume_checkpoint)
+        except BaseException:
+            self.run.release(failed=True)
+            raise
+
+    def _build(self, config: ExperimentConfig, checkpoint: Path | None) -> None:
+        self.run_dir = self.run.path
         if config.model.threads:
             torch.set_num_threads(config.model.threads)
         torch.manual_seed(config.train.seed)
-        checkpoint = latest_checkpoint(self.run_dir) if resume else None
-        if resume and checkpoint is None:
-            warnings.warn(f"--resume: no checkpoint under {self.run_dir}, starting from scratch")
         dtype = getattr(torch, config.model.dtype)
         source = str(checkpoint / "policy") if checkpoint else config.model.model
         self.model, self.tokenizer = load_policy(source, dtype)
@@ -71,8 +91,9 @@ class GRPOTrainer:
             self.reference = load_policy(config.model.model, dtype)[0].eval().requires_grad_(False)
         self.task = task_from_config(config.task)
         self.max_new_tokens = max_new_tokens(config.task, self.task)
-        # Tasks whose rewards can hang (math-verify) bring their own guard; others get one here.
-        self.reward = getattr(self.task, "reward_guard", None) or safe_reward(self.task.reward)
+        self.reward = RewardRunner.from_spec(config.train.reward_funcs, config.train.reward_weights, self.task.reward,
+                                             timeout_s=config.train.reward_timeout,
+                                             max_failure_frac=config.train.max_reward_failure_frac)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
                                            weight_decay=config.train.weight_decay)
         self.state = TrainerState()
@@ -84,43 +105,57 @@ class GRPOTrainer:
                                     record_evictions=False)
         self.corrections = mode_corrections(config.train.mode, config.correction)
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
-        save_config(config, self.run_dir / "config.yaml")
-        self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step,
+        self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
                                     run_name=self.run_dir.name, config=config.to_dict())
+        self._starve_warned = False
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainerState:
+        """Run to `steps`; a SIGINT or SIGTERM stops at the next step boundary with a checkpoint."""
         cfg = self.config
-        if self.state.step == 0 and cfg.output.eval_every:
-            self.logger.log({"step": 0, **self.evaluate()})
-        bar = tqdm(total=cfg.train.steps, initial=self.state.step, desc=f"train {cfg.train.mode}", unit="step")
+        stop = _StopRequest()
+        failed = True
         try:
-            while self.state.step < cfg.train.steps:
-                step = self.state.step + 1
-                record = self.train_step(step)
-                self.state.step = step
-                if cfg.output.eval_every and (step % cfg.output.eval_every == 0 or step == cfg.train.steps):
-                    record.update(self.evaluate())
-                self.logger.log(record)
-                if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps:
-                    save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.optimizer,
-                                    cfg, cfg.output.keep_checkpoints)
-                bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
-                                len=f"{record['response_len_mean']:.0f}")
+            with stop:
+                if self.state.step == 0 and cfg.output.eval_every:
+                    self.logger.log({"step": 0, **self.evaluate()})
+                bar = tqdm(total=cfg.train.steps, initial=self.state.step, desc=f"train {cfg.train.mode}",
+                           unit="step")
+                try:
+                    while self.state.step < cfg.train.steps:
+                        step = self.state.step + 1
+                        record = self.train_step(step)
+                        self.state.step = step
+                        if cfg.output.eval_every and (step % cfg.output.eval_every == 0 or step == cfg.train.steps):
+                            record.update(self.evaluate())
+                        self.logger.log(record)
+                        if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or stop.requested:
+                            save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.optimizer,
+                                            cfg, cfg.output.keep_checkpoints)
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
+                                        len=f"{record['response_len_mean']:.0f}")
+                        if stop.requested:
+                            raise TrainingInterrupted(step, self.run_dir)
+                finally:
+                    bar.close()
+            failed = False
         finally:
-            bar.close()
             self.logger.close()
+            self.run.release(failed)
         return self.state
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy accuracy under dense inference, and under sparse inference if asked."""
         self.model.eval()
-        result = {"eval_accuracy_dense": greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples,
-                                                         self.max_new_tokens)}
+        inferences = {"dense": None}
         if self.config.output.eval_sparse_inference:
-            result["eval_accuracy_sparse"] = greedy_accuracy(self.model, self.tokenizer, self.task, self.eval_examples,
-                                                             self.max_new_tokens, compression=self.compression)
+            inferences["sparse"] = self.compression
+        result = {}
+        for inference, compression in inferences.items():
+            scores = greedy_scores(self.model, self.tokenizer, self.task, self.eval_examples, self.max_new_tokens,
+                                   compression=compression)
+            result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
         return result
 
     # ------------------------------------------------------------------ one step
@@ -138,7 +173,10 @@ class GRPOTrainer:
                                   pad_token_id=self.tokenizer.pad_token_id)
         batch = self.engine.generate(prompts, sampling, generator)
         texts = decode_responses(self.tokenizer, batch)
-        rewards = torch.tensor(self.reward(texts, **reward_columns(examples, group)), dtype=torch.float32)
+        completion_ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
+        rewards = torch.tensor(self.reward(prompts=[e.prompt for e in examples for _ in range(group)], completions=texts,
+                                           completion_ids=completion_ids, **reward_columns(examples, group)),
+                               dtype=torch.float32)
 
         recompute_started = time.perf_counter()
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
@@ -167,10 +205,15 @@ class GRPOTrainer:
         update_started = time.perf_counter()
         keep = corrections.keep_mask
         rejected = 1.0 - float(keep.sum()) / max(float(batch.response_mask.sum()), 1.0)
-        if self.corrections.veto_threshold is not None or self.corrections.band is not None:
-            if rejected > cfg.train.warn_rejected_frac:
+        starving = (self.corrections.veto_threshold is not None or self.corrections.band is not None) \
+            and rejected > cfg.train.warn_rejected_frac
+        if starving:
+            self.state.starving_steps += 1
+            if not self._starve_warned:  # once per run; the count is in the metrics and the summary
+                self._starve_warned = True
                 warnings.warn(f"step {step}: corrections rejected {rejected:.0%} of response tokens "
-                              f"(warn_rejected_frac={cfg.train.warn_rejected_frac}); training may starve")
+                              f"(warn_rejected_frac={cfg.train.warn_rejected_frac}); training may starve. "
+                              "Further such steps are counted in `starving_steps`, not warned about")
         skipped = float(keep.sum()) == 0
         if skipped:
             self.state.skipped_steps += 1
@@ -184,19 +227,22 @@ class GRPOTrainer:
         update_s = time.perf_counter() - update_started
 
         diagnostics = _flagged_vs_kept(rewards, batch.response_lengths, flagged.seq_keep)
-        counts = self.reward.pop_counts()
+        diagnostics.update(walk_metrics(self.task, texts, examples, group))
+        counts = self.reward.pop_counts()  # failures, timeouts and each reward function's mean
         self.state.reward_failures += counts["reward_failures"]
         self.state.reward_timeouts += counts["reward_timeouts"]
         return {
             "step": step,
             **self._rollout_metrics(batch, rewards),
             **update,
-            **flagged.metrics,
-            **{key: corrections.metrics[key] for key in APPLIED_METRICS},
-            **rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()),
+            **corrections.metrics,
+            **{flagged_name: flagged.metrics[name] for name, flagged_name in FLAGGED_METRICS.items()},
+            **{"flagged_" + key: value for key, value in
+               rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()).items()},
             **diagnostics,
             "rejected_token_frac": rejected,
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
+            "starving_steps": self.state.starving_steps,
             **counts,
             "rollout_s": batch.rollout_seconds, "recompute_s": recompute_s, "update_s": update_s,
             "step_s": time.perf_counter() - started,
@@ -275,3 +321,29 @@ def _flagged_vs_kept(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: tor
             out[f"reward_{name}_mean"] = float(rewards[rows].mean())
             out[f"response_len_{name}_mean"] = float(lengths[rows].float().mean())
     return out
+
+
+class _StopRequest:
+    """While active, SIGINT and SIGTERM set `requested` instead of killing the process, so the loop
+    can finish its step and checkpoint; a second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,10 +1,15 @@
 """Supervised warm start of the built-in model on pointer-walk demonstrations.
 
-A curriculum over the number of letters (short cycles first) is what makes the tiny model learn
-the lookup at all; without it, it sits at chance. Training stops at the first probe whose greedy
-held-out accuracy at the target difficulty reaches the middle of the band [low, high], so that RL
-has room to improve; if a probe jumps past the band, the best in-band probe seen is saved instead.
-Everything is seeded, so the same seed and thread count reproduce the same weights.
+A curriculum over cycle lengths (short cycles first) is what makes the tiny model learn the
+lookup at all; without it, it sits at chance. The last stage is the target distribution itself.
+A stage advances when greedy *exact walks* (the response equals the demonstration) on the stage's
+own probe set pass its threshold. In the last stage, every probe measures exact walks on held-out
+target prompts, and training stops at the first probe inside the band [low, high] at or above
+`stop_at`, so that RL has room to improve. The transition is sharp, so if a probe jumps over the
+band, training rewinds to the previous probe (weights, optimizer, data stream) and replays those
+steps probing after each one. Stopping on exact walks, not on the final answer, is what keeps a
+shortcut that lands on the right letter without walking (the first version's failure) from
+being shipped. Everything is seeded, so the same seed and thread count reproduce the same weights.
 """
 
 from __future__ import annotations
@@ -14,39 +19,27 @@ import json
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from .evaluate import greedy_accuracy
+from .config import WarmupConfig
+from .evaluate import greedy_scores
 from .models import builtin_model_config, count_parameters
 from .tasks.pointer_walk import PointerWalkTask, make_example
 from .tasks.tokenizer import build_char_tokenizer
 
 
 @dataclass
-class WarmupConfig:
-    out: str = "warmup-model"
-    seed: int = 0
-    letters: int = 12  # the target difficulty whose accuracy must land in the band
-    hops: int = 32
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup_steps: int = 50
-    weight_decay: float = 0.01
-    max_steps: int = 12000
-    probe_every: int = 25
-    probe_examples: int = 200
-    band_low: float = 0.30
-    band_high: float = 0.80
-    stop_at: float = 0.55
-    # (min letters, max letters, accuracy at max letters that moves to the next stage)
-    curriculum: list[tuple[int, int, float]] = field(
-        default_factory=lambda: [(3, 8, 0.9), (3, 16, 0.9), (8, 26, 0.9), (26, 26, 1.1)])
-    threads: int = 1
+class _Snapshot:
+    step: int
+    model: dict
+    optimizer: dict
+    schedule: dict
+    rng: object
 
 
 def warmup(config: WarmupConfig) -> dict:
@@ -59,13 +52,18 @@ def warmup(config: WarmupConfig) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.98),
                                   weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / config.warmup_steps))
-    target = PointerWalkTask(config.letters, config.hops)
+    target = PointerWalkTask(config.letters)
+    stages = [tuple(s[:2]) for s in config.curriculum] + [target.letter_range]
     probe_set = target.examples(config.probe_examples, seed=config.seed, split="test")
-    stage, best, history = 0, None, []
+    stage, best, history, previous = 0, None, [], None
+    dense_probing_until = 0  # after a rewind: probe every step up to here
     started = time.perf_counter()
-    bar = tqdm(range(1, config.max_steps + 1), desc="warmup", unit="step")
-    for step in bar:
-        low, high, _ = config.curriculum[stage]
+    bar = tqdm(total=config.max_steps, desc="warmup", unit="step")
+    step = 0
+    while step < config.max_steps:
+        step += 1
+        bar.update(1)
+        low, high = stages[stage]
         model.train()
         loss = _sft_step(model, tokenizer, rng, low, high, config)
         optimizer.zero_grad(set_to_none=True)
@@ -73,35 +71,61 @@ def warmup(config: WarmupConfig) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step % config.probe_every:
+        final = stage == len(stages) - 1
+        every = 1 if step <= dense_probing_until else (config.final_probe_every if final else config.probe_every)
+        if step % every:
             continue
         model.eval()
-        accuracy = greedy_accuracy(model, tokenizer, target, probe_set, target.default_max_new_tokens)
-        stage_task = PointerWalkTask(high, config.hops)
-        stage_accuracy = greedy_accuracy(model, tokenizer, stage_task,
-                                         stage_task.examples(64, seed=config.seed, split="test"),
-                                         stage_task.default_max_new_tokens)
-        history.append({"step": step, "loss": float(loss), "accuracy": accuracy, "stage": stage,
-                        "stage_accuracy": stage_accuracy, "seconds": time.perf_counter() - started})
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{accuracy:.2f}", stage=f"{low}-{high}:{stage_accuracy:.2f}")
-        if stage_accuracy >= config.curriculum[stage][2] and stage + 1 < len(config.curriculum):
-            stage += 1
-        in_band = config.band_low <= accuracy <= config.band_high
-        if in_band and (best is None or abs(accuracy - config.stop_at) < abs(best[1] - config.stop_at)):
-            best = (step, accuracy, copy.deepcopy(model.state_dict()))
-        if (in_band and accuracy >= config.stop_at) or (accuracy > config.band_high and best is not None):
+        record = {"step": step, "loss": float(loss), "stage": stage, "letters": [low, high],
+                  "seconds": round(time.perf_counter() - started, 1)}
+        if not final:
+            stage_task = PointerWalkTask(high, min_letters=low)
+            scores = greedy_scores(model, tokenizer, stage_task,
+                                   stage_task.examples(config.stage_probe_examples, seed=config.seed, split="test"),
+                                   stage_task.default_max_new_tokens)
+            record["stage_walk_exact"] = scores["walk_exact"]
+            history.append(record)
+            bar.set_postfix(loss=f"{float(loss):.3f}", stage=f"{low}-{high}", exact=f"{scores['walk_exact']:.2f}")
+            if scores["walk_exact"] >= config.curriculum[stage][2]:
+                stage += 1
+                previous = _snapshot(step, model, optimizer, schedule, rng)
+            continue
+        scores = greedy_scores(model, tokenizer, target, probe_set, target.default_max_new_tokens)
+        record.update(scores)
+        history.append(record)
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{scores['accuracy']:.2f}", exact=f"{scores['walk_exact']:.2f}")
+        exact = scores["walk_exact"]
+        in_band = config.band_low <= exact <= config.band_high and config.band_low <= scores["accuracy"] <= config.band_high
+        if in_band and (best is None or abs(exact - config.stop_at) < abs(best[1]["walk_exact"] - config.stop_at)):
+            best = (step, dict(scores), copy.deepcopy(model.state_dict()))
+        if in_band and exact >= config.stop_at:
             break
+        if exact > config.band_high:
+            if best is not None:
+                break
+            if previous is not None and dense_probing_until < step:
+                # Jumped over the band between two probes: replay those steps, probing after each.
+                dense_probing_until = step
+                step = _restore(previous, model, optimizer, schedule, rng)
+                bar.n = step
+                continue
+            break
+        previous = _snapshot(step, model, optimizer, schedule, rng)
     bar.close()
     if best is None:
+        last = history[-1] if history else {}
         raise RuntimeError(
-            f"warm-up never reached held-out accuracy in [{config.band_low}, {config.band_high}] "
-            f"within {config.max_steps} steps (last {history[-1]['accuracy']:.2f}); raise --max-steps")
-    step, accuracy, state = best
+            f"warm-up never reached held-out exact walks in [{config.band_low}, {config.band_high}] within "
+            f"{step} steps (last probe: {json.dumps(last)}); raise --max-steps or lower --final-probe-every")
+    step, scores, state = best
     model.load_state_dict(state)
     card = {
         "model": "pointer-walk Llama", "parameters": count_parameters(model),
-        "task": {"name": "pointer_walk", "letters": config.letters, "hops": config.hops},
-        "heldout_greedy_accuracy": accuracy, "heldout_examples": config.probe_examples,
+        "task": {"name": "pointer_walk", "letters": config.letters, "letter_range": list(target.letter_range)},
+        # The task's reward is the exact walk; the final-letter accuracy beside it would show a shortcut.
+        "heldout_greedy_accuracy": scores["accuracy"], "heldout_walk_exact": scores["walk_exact"],
+        "heldout_answer_accuracy": scores["answer_accuracy"],
+        "heldout_first_error_hop": scores.get("first_error_hop"), "heldout_examples": config.probe_examples,
         "step": step, "seed": config.seed, "seconds": round(time.perf_counter() - started, 1),
         "torch": torch.__version__, "settings": asdict(config), "probes": history,
     }
@@ -109,11 +133,24 @@ def warmup(config: WarmupConfig) -> dict:
     return card
 
 
+def _snapshot(step, model, optimizer, schedule, rng: random.Random) -> _Snapshot:
+    return _Snapshot(step, copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()),
+                     copy.deepcopy(schedule.state_dict()), rng.getstate())
+
+
+def _restore(snapshot: _Snapshot, model, optimizer, schedule, rng: random.Random) -> int:
+    model.load_state_dict(snapshot.model)
+    optimizer.load_state_dict(snapshot.optimizer)
+    schedule.load_state_dict(snapshot.schedule)
+    rng.setstate(snapshot.rng)
+    return snapshot.step
+
+
 def _sft_step(model, tokenizer, rng: random.Random, low: int, high: int, config: WarmupConfig) -> torch.Tensor:
     """Cross-entropy on the response tokens of a fresh batch of demonstrations."""
     rows, targets = [], []
     for _ in range(config.batch_size):
-        example = make_example(rng, rng.randint(low, high), config.hops)
+        example = make_example(rng, rng.randint(low, high))
         prompt = tokenizer(example.prompt).input_ids
         response = tokenizer(example.demonstration).input_ids
         rows.append(prompt + response)

@@ -172,7 +172,8 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
+                 generator: torch.Generator | None = None, on_step=None) -> RolloutBatch:
+        """`on_step`, if given, is called after each decode step (a progress bar's `update`)."""
         started = time.perf_counter()
         model = self.model
         device = next(model.parameters()).device
@@ -232,6 +233,8 @@ class RolloutEngine:
                                past_key_values=cache, use_cache=True).logits[:, -1]
                 since_compression += 1
                 fed_tokens += fed_real.long()
+                if on_step is not None:
+                    on_step(1)
 
         peaks = cache.peak_bytes()
         stats.kv_peak_bytes_by_layer_type = peaks

@@ -40,8 +40,31 @@ class Task(Protocol):
         ...
 
 
+def walk_metrics(task: Task, completions: list[str], examples: list[Example], repeat: int = 1) -> dict[str, float]:
+    """How the reward was earned, for tasks that can tell (`walk_exact`, `first_error_hop` for the
+    pointer walk); an empty dict for tasks without demonstrations to compare against."""
+    measure = getattr(task, "walk_metrics", None)
+    if measure is None or any(e.demonstration is None for e in examples):
+        return {}
+    return measure(completions, [e.demonstration for e in examples for _ in range(repeat)])
+
+
 def reward_columns(examples: list[Example], repeat: int = 1) -> dict[str, list[Any]]:
     """The keyword columns a reward function receives for these examples, each repeated `repeat`
-    times in a row to line up with grouped completions."""
-    return {"label": [e.label for e in examples for _ in range(repeat)],
-            "extra": [e.extra for e in examples for _ in range(repeat)]}
+    times in a row to line up with grouped completions: `label`, `extra`, `demonstration` when
+    every example has one, and each key of `extra` that every example has (a math JSONL file's
+    other fields, say `ground_truth`), as TRL passes a dataset's columns."""
+    def column(values: list[Any]) -> list[Any]:
+        return [value for value in values for _ in range(repeat)]
+
+    columns = {"label": column([e.label for e in examples]), "extra": column([e.extra for e in examples])}
+    if all(e.demonstration is not None for e in examples):
+        columns["demonstration"] = column([e.demonstration for e in examples])
+    shared = set.intersection(*(set(e.extra) for e in examples)) if examples else set()
+    for key in sorted(shared - RESERVED_COLUMNS - set(columns)):
+        columns[key] = column([e.extra[key] for e in examples])
+    return columns
+
+
+# Keyword names a reward function receives from the trainer itself.
+RESERVED_COLUMNS = frozenset({"prompts", "completions", "completion_ids"})

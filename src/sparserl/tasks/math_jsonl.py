@@ -109,8 +109,10 @@ class MathJsonlTask:
             raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         prompt = self._field(obj, self.prompt_key, "prompt_key", where, numbers_ok=False)
         label = self._field(obj, self.label_key, "label_key", where, numbers_ok=True)
+        # The record's other fields travel as reward columns, as a dataset's columns do in TRL.
+        others = {k: v for k, v in obj.items() if k not in (self.prompt_key, self.label_key)}
         return Example(prompt=self.template.format(prompt=prompt), label=label,
-                       extra={"line": lineno})
+                       extra={**others, "line": lineno})
 
     @staticmethod
     def _field(obj: dict[str, Any], key: str, option: str, where: str, numbers_ok: bool) -> str:

@@ -1,28 +1,36 @@
-"""The built-in task: walk a pointer cycle whose links are listed in the prompt.
+"""The built-in task: follow a pointer chain whose links are listed in the prompt.
 
-The prompt lists the links of a random cycle over `letters` distinct lower-case letters, each
-written `xY` (key `x`, value `Y` = the upper-case form of x's successor), in shuffled order,
-then `|` and the start letter. The response takes `hops` steps. Step k writes a step counter
-(the k-th symbol of `COUNTERS`), the current key, and the value that follows that key in the
-prompt; the value, lower-cased, is the next key. It ends with the answer `#Y$`:
+The prompt lists the links of a random cycle over n distinct lower-case letters, each written
+`xY` (key `x`, value `Y` = the upper-case form of x's successor), in shuffled order; then `|`,
+the start letter, and the counter symbol of the last hop to take. The response takes H hops:
+hop k writes the k-th symbol of `COUNTERS`, the current key, and the value that follows that key
+in the prompt; the value, lower-cased, is the next key. It ends with the answer `#Y$`:
 
-    prompt   ^sRtHrEhSlTeL|h                  (letters=6)
-    response 0hS1sR2rE3eL4lT5tH6hS7sR#R$      (hops=8, answer R)
+    prompt   ^sRtHrEhSlTeL|h4                 (n = 6 letters, last counter 4: H = 5 hops)
+    response 0hS1sR2rE3eL4lT#T$               (answer T)
 
-Why this shape:
-- each value sits right after its key, in the prompt and in the response alike, which a small
-  transformer learns quickly (an induction copy), yet the first lap of the cycle needs every link
-  from the prompt;
-- the counter makes stopping a local decision (the previous counter is three tokens back), so
-  KV eviction hurts the walk only by dropping the links it needs, not by making the model lose
-  count (a first design without counters never stopped once its early tokens were evicted);
-- once a needed link is evicted the walk goes wrong and cannot recover, late in a chain several
-  times longer than the KV budget.
-The reward is exact: 1 if the letter after the last `#` is the right one, else 0.
+Each prompt draws its own cycle length n (from `min_letters` to `letters`, the difficulty knob)
+and its own hop count H (from ceil(n/3) to n - 1). Why this shape:
+- H < n: the walk never completes a lap, so every hop needs a link that only the prompt holds.
+  A model cannot copy its own earlier output (no period exists to exploit), which is what the
+  first version of this task allowed: with a fixed 12-cycle and 32 hops, looping back with a
+  period of 8 landed on the right letter every time (32 = 8 mod 12) without following a link.
+- H and n vary per prompt and H is stated in the prompt, so stopping is a decision that reads
+  the prompt, and no fixed hop count, period, offset or constant answer scores above chance.
+  `tests/test_pointer_walk.py` plays those shortcut policies to prove it.
+- Each value sits right after its key, in the prompt and in the response alike, which a small
+  transformer learns quickly (an induction copy).
+- Once a needed link is evicted from the KV cache, the walk cannot recover it.
+The reward is exact: 1 if the response is the walk itself (every counter, key and value, the end
+marker and the answer), else 0. A reward on the final letter alone was tried and dropped: GRPO
+then let the counters drift (doubled or skipped counter symbols in 14% of rewarded responses
+after 60 steps), since nothing paid for them. `walk_metrics` reports the final-letter accuracy
+beside the exact walks, where it first deviates, so that a gap between the two stays visible.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import string
@@ -33,47 +41,75 @@ from .base import Example
 
 # Digits then punctuation, minus the four characters with a role in the format.
 COUNTERS = string.digits + "".join(c for c in string.punctuation if c not in "^|#$")
+HOP_CHARS = 3  # counter, key, value
 
 _ANSWER = re.compile(r"#([A-Za-z])\$?\s*$")
 
 
 @dataclass(frozen=True)
 class PointerWalkTask:
-    """`letters` is the difficulty knob (cycle length, 2..26); `hops` the chain length."""
+    """`letters` is the difficulty knob: the longest cycle (3..26). Cycle lengths are drawn from
+    `min_letters` (default: letters - 10, at least 3) to `letters`."""
 
-    letters: int = 12
-    hops: int = 32
+    letters: int = 26
+    min_letters: int | None = None
     name: str = "pointer_walk"
 
     def __post_init__(self) -> None:
-        if not 2 <= self.letters <= 26:
-            raise ValueError(f"task.difficulty must be in 2..26 letters, got {self.letters}")
-        if not 1 <= self.hops <= len(COUNTERS):
-            raise ValueError(f"task.hops must be in 1..{len(COUNTERS)}, got {self.hops}")
+        if not 3 <= self.letters <= 26:
+            raise ValueError(f"task.difficulty (letters) must be in 3..26, got {self.letters}")
+        if self.min_letters is not None and not 3 <= self.min_letters <= self.letters:
+            raise ValueError(f"task.min_letters must be in 3..{self.letters} (the difficulty), got {self.min_letters}")
+
+    @property
+    def letter_range(self) -> tuple[int, int]:
+        low = self.min_letters if self.min_letters is not None else max(3, self.letters - 10)
+        return low, self.letters
 
     def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
-        rng = random.Random(f"pointer_walk/{split}/{seed}/{self.letters}/{self.hops}")
-        return [make_example(rng, self.letters, self.hops) for _ in range(count)]
+        low, high = self.letter_range
+        rng = random.Random(f"pointer_walk2/{split}/{seed}/{low}/{high}")
+        return [make_example(rng, rng.randint(low, high)) for _ in range(count)]
 
-    def reward(self, completions: list[str], **kwargs: Any) -> list[float]:
-        labels = kwargs["label"]
-        return [float(extract_answer(c) == label) for c, label in zip(completions, labels)]
+    def reward(self, completions: list[str], demonstration: list[str], **kwargs: Any) -> list[float]:
+        """1.0 for a completion that is its demonstration (a trailing `$` optional), else 0.0."""
+        return [float(first_error_hop(c, d) is None) for c, d in zip(completions, demonstration)]
+
+    def walk_metrics(self, completions: list[str], demonstrations: list[str]) -> dict[str, float]:
+        """`walk_exact`: the fraction of completions equal to the demonstration (the whole walk and
+        the answer); `answer_accuracy`: the fraction whose final letter is right, however reached;
+        `first_error_hop`: mean 1-based hop of the first deviation over the inexact ones."""
+        errors = [first_error_hop(c, d) for c, d in zip(completions, demonstrations)]
+        wrong = [e for e in errors if e is not None]
+        answers = [extract_answer(c) == extract_answer(d) for c, d in zip(completions, demonstrations)]
+        out = {"walk_exact": 1.0 - len(wrong) / max(len(errors), 1),
+               "answer_accuracy": sum(answers) / max(len(answers), 1)}
+        if wrong:
+            out["first_error_hop"] = sum(wrong) / len(wrong)
+        return out
 
     @property
     def max_response_chars(self) -> int:
-        return 3 * self.hops + 3
+        return HOP_CHARS * (self.letters - 1) + 3
 
     @property
     def default_max_new_tokens(self) -> int:
-        # A little slack past the correct length, so a wandering chain is cut rather than padded forever.
+        # A little slack past the longest correct response, so a wandering chain is cut rather than run forever.
         return self.max_response_chars + 6
 
     @property
     def prompt_chars(self) -> int:
-        return 2 * self.letters + 3
+        return 2 * self.letters + 4
 
 
-def make_example(rng: random.Random, letters: int, hops: int) -> Example:
+def hop_range(letters: int) -> tuple[int, int]:
+    """Hops for a cycle of `letters`: at least a third of it, never a full lap."""
+    return max(1, math.ceil(letters / 3)), letters - 1
+
+
+def make_example(rng: random.Random, letters: int) -> Example:
+    """One prompt over a cycle of `letters` letters with a hop count drawn from `hop_range`."""
+    hops = rng.randint(*hop_range(letters))
     nodes = rng.sample(string.ascii_lowercase, letters)
     successor = {node: nodes[(i + 1) % letters] for i, node in enumerate(nodes)}
     links = [key + successor[key].upper() for key in nodes]
@@ -84,10 +120,43 @@ def make_example(rng: random.Random, letters: int, hops: int) -> Example:
         steps.append(counter + node + successor[node].upper())
         node = successor[node]
     answer = node.upper()
-    prompt = "^" + "".join(links) + "|" + start
-    return Example(prompt=prompt, label=answer, demonstration="".join(steps) + "#" + answer + "$")
+    prompt = "^" + "".join(links) + "|" + start + COUNTERS[hops - 1]
+    return Example(prompt=prompt, label=answer, demonstration="".join(steps) + "#" + answer + "$",
+                   extra={"letters": letters, "hops": hops})
 
 
 def extract_answer(completion: str) -> str | None:
     match = _ANSWER.search(completion)
     return match.group(1) if match else None
+
+
+def first_error_hop(completion: str, demonstration: str) -> int | None:
+    """None if `completion` is the demonstration (a trailing `$` optional), else the 1-based hop
+    whose three characters first differ; a deviation at or after the `#` counts as hop H + 1."""
+    done, target = completion.removesuffix("$"), demonstration.removesuffix("$")
+    if done == target:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(done, target)) if a != b), min(len(done), len(target)))
+    hops = target.index("#") // HOP_CHARS
+    return min(at // HOP_CHARS, hops) + 1
+
+
+def needed_source(prompt: str, demonstration: str, index: int) -> tuple[str, str | None, int | None]:
+    """What response character `index` of the demonstration is, and where its information lives.
+
+    Returns (role, "prompt" | "response" | None, character index there): a value copies the
+    character after its key in the prompt; a key is the previous value lower-cased (the start
+    letter for the first hop); a counter follows the previous counter; the end marker `#` is
+    decided by the prompt's last-counter symbol; the answer repeats the last value.
+    """
+    hops = demonstration.index("#") // HOP_CHARS
+    if index >= HOP_CHARS * hops:
+        return ("end marker", "prompt", len(prompt) - 1) if index == HOP_CHARS * hops else \
+            ("answer", "response", HOP_CHARS * hops - 1)
+    hop, slot = divmod(index, HOP_CHARS)
+    if slot == 0:
+        return ("counter", "response", index - HOP_CHARS) if hop else ("counter", None, None)
+    if slot == 1:
+        return ("key", "response", index - 2) if hop else ("key", "prompt", len(prompt) - 2)
+    key = demonstration[index - 1]
+    return "value", "prompt", prompt.index(key, 1, prompt.index("|")) + 1

@@ -1,6 +1,6 @@
 """Tasks by name, for configs: `build_task("pointer_walk", letters=8)`, `build_task("gym:chain_sum")`.
 
-Names: "pointer_walk" (letters, hops), "math_jsonl" (path, prompt_key, label_key, template, ...),
+Names: "pointer_walk" (letters, min_letters), "math_jsonl" (path, prompt_key, label_key, template, ...),
 "gym:<dataset>" or "reasoning_gym" with a `dataset` option (size, config, ...).
 """
 
@@ -64,7 +64,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 def task_from_config(config) -> Task:
     """The task a `TaskConfig` describes (see `sparserl.config.TaskConfig`)."""
     if config.task == "pointer_walk":
-        return build_task("pointer_walk", letters=config.difficulty, hops=config.hops)
+        return build_task("pointer_walk", letters=config.difficulty, min_letters=config.min_difficulty or None)
     if config.task == "math_jsonl":
         if not config.data_path:
             raise ValueError("task math_jsonl needs --data-path FILE.jsonl (one JSON object per line)")

@@ -1,0 +1,115 @@
+"""The comparison report's plots: one line per mode (the mean over seeds) with its min–max band.
+
+`write_plots(dir, runs)` takes the per-seed run summaries of `sparserl.report.load` and writes the
+PNGs named in `PLOTS`. Legends sit outside the axes so that they never cover data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: reports are written on headless machines
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from .report import series  # noqa: E402
+
+MODE_COLOURS = {"dense": "#1f77b4", "naive-sparse": "#d62728", "sparse-rl": "#2ca02c",
+                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd"}
+PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "kv_memory.png", "rollout_time.png")
+
+
+def _colour(mode: str, i: int) -> str:
+    return MODE_COLOURS.get(mode, f"C{i % 10}")
+
+
+def _across_seeds(seeds: list[dict], key: str, records: str = "steps") -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps present in every seed's run, with the mean, min and max of `key` over seeds."""
+    per_seed = [dict(zip(*series(s.get(records, []), key))) for s in seeds if s.get(records)]
+    if not per_seed:
+        return [], [], [], []
+    steps = sorted(set.intersection(*(set(d) for d in per_seed)))
+    values = [[d[x] for d in per_seed] for x in steps]
+    return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def _plot(ax, runs, key, style="-", suffix="", records="steps", scale=1.0, log=False):
+    for i, (mode, seeds) in enumerate(runs.items()):
+        x, mean, low, high = _across_seeds(seeds, key, records)
+        if not x:
+            continue
+        floor = 1e-12 if log else float("-inf")  # log axis: keep exact-zero ratios visible at the floor
+        fix = lambda ys: [max(scale * y, floor) for y in ys]  # noqa: E731
+        ax.plot(x, fix(mean), style, color=_colour(mode, i), label=mode + suffix, lw=1.3,
+                marker="o" if records == "evals" else None, ms=3)
+        if len(seeds) > 1:
+            ax.fill_between(x, fix(low), fix(high), color=_colour(mode, i), alpha=0.15, lw=0)
+    if log and ax.has_data():
+        ax.set_yscale("log")
+
+
+def _finish(fig, path: Path, axes) -> None:
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if not ax.has_data():  # every run missing: say so instead of an empty frame
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        elif ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _bars(ax, runs, key, ylabel, title, scale=1.0):
+    have = [(i, mode, [s[key] for s in seeds if s.get(key) is not None]) for i, (mode, seeds) in enumerate(runs.items())]
+    have = [(i, mode, v) for i, mode, v in have if v]
+    for j, (i, mode, values) in enumerate(have):
+        mean = scale * sum(values) / len(values)
+        err = [[mean - scale * min(values)], [scale * max(values) - mean]]
+        ax.bar(j, mean, color=_colour(mode, i), yerr=err if len(values) > 1 else None, capsize=3)
+    ax.set_xticks(range(len(have)), [m for _, m, _ in have], fontsize=8)
+    ax.set(title=title, ylabel=ylabel)
+
+
+def write_plots(out: Path, runs: dict[str, list[dict]]) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    _plot(ax, runs, "reward_mean")
+    ax.set(title="Training reward (mean over seeds, band: min–max)", xlabel="step", ylabel="reward_mean")
+    _finish(fig, out / "reward.png", [ax])
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    for kind, style in (("dense", "-"), ("sparse", "--")):
+        _plot(left, runs, f"eval_accuracy_{kind}", style, f" ({kind} inf.)", records="evals", scale=100)
+        _plot(right, runs, f"eval_walk_exact_{kind}", style, f" ({kind} inf.)", records="evals", scale=100)
+    left.set(title="Held-out accuracy (solid: dense inference, dashed: sparse)", xlabel="step", ylabel="%")
+    right.set(title="Held-out exact walks", xlabel="step", ylabel="%")
+    _finish(fig, out / "accuracy.png", [left, right])
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    _plot(axes[0, 0], runs, "xi_q01", log=True, suffix=" ξ q01")
+    _plot(axes[0, 0], runs, "xi_min", ":", log=True, suffix=" ξ min")
+    _plot(axes[0, 1], runs, "kl_sampler_old")
+    _plot(axes[1, 0], runs, "flagged_veto_frac", suffix=" veto")
+    _plot(axes[1, 0], runs, "flagged_band_frac", "--", suffix=" band")
+    _plot(axes[1, 1], runs, "ess")
+    axes[0, 0].set(title="ξ 1% quantile (solid) and min (dotted)", ylabel="ξ = π_old / π_sparse")
+    axes[0, 1].set(title="KL(π_sparse ‖ π_old) on sampled tokens", ylabel="kl_sampler_old")
+    axes[1, 0].set(title="Flagged by Sparse-RL's veto (solid) and band (dashed)", ylabel="fraction")
+    axes[1, 1].set(title="Effective sample size of the applied weights", ylabel="ess")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+    fig.suptitle("Sampler / learner mismatch over training")
+    _finish(fig, out / "mismatch.png", axes.flat)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    _bars(left, runs, "kv_peak", "MiB", "Peak KV memory in training rollouts")
+    _bars(right, runs, "kv_saved", "% of dense", "KV tokens saved in training rollouts", scale=100)
+    _finish(fig, out / "kv_memory.png", [left, right])
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    _plot(left, runs, "rollout_s")
+    left.set(title="Rollout time per step", xlabel="step", ylabel="seconds")
+    _bars(right, runs, "rollout_total", "seconds", "Total rollout time")
+    _finish(fig, out / "rollout_time.png", [left, right])

@@ -1,0 +1,124 @@
+"""`sparserl sweep`: how a model fares under each KV budget, and which budgets are the two regimes.
+
+For every budget of a grid it measures, on the same held-out prompts, greedy accuracy and exact
+walks under sparse inference (against dense), the peak KV bytes as a fraction of dense, and, on
+sampled rollouts scored by a dense recompute, what Sparse-RL's default filters reject (veto and
+band rates) and the 1% quantile of ξ = π_old / π_sparse. It then names the regimes of SPEC §6:
+
+- paper regime: the smallest budget whose sparse greedy accuracy is within `paper_gap` of dense
+  and whose veto rate is at most `paper_veto`;
+- stress regime: the largest budget that saves at least `stress_saved` of the peak KV bytes and
+  loses at least `stress_gap` of greedy accuracy (the mildest such budget, so that sparse rollouts
+  still earn reward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .corrections import CorrectionConfig, compute_corrections
+from .evaluate import complete, evaluate_policy
+from .recompute import batched_logprobs
+from .rollout.engine import KVCompression
+from .tasks.base import reward_columns
+
+
+@dataclass(frozen=True)
+class RegimeRule:
+    paper_gap: float = 0.05
+    paper_veto: float = 0.15
+    stress_saved: float = 0.50
+    stress_gap: float = 0.10
+
+
+def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compression: KVCompression,
+                     samples: int, temperature: float, seed: int, micro_batch_size: int = 64) -> dict[str, float]:
+    """Veto and band rates of Sparse-RL's default filters, ξ's 1% quantile and sampled accuracy, on
+    `samples` rollouts per example with the dense recompute as π_old."""
+    done = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
+                    generator=torch.Generator().manual_seed(seed))
+    vetoed = banded = alive = rows = 0.0
+    quantiles = []
+    for batch in done.batches:
+        logp_old = batched_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_ids.shape[1],
+                                    micro_batch_size)
+        result = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, CorrectionConfig())
+        vetoed += result.metrics["vetoed_sequences"]
+        rows += len(batch)
+        unvetoed = float((batch.response_mask * result.seq_keep[:, None]).sum())
+        alive += unvetoed
+        banded += unvetoed - float(result.keep_mask.sum())
+        quantiles.append(result.metrics["xi_q01"])
+    return {"veto_frac": vetoed / max(rows, 1), "band_frac": banded / max(alive, 1.0),
+            "xi_q01": min(quantiles), "sampled_rollouts": int(rows), "_texts": done.texts}
+
+
+def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: int,
+              rule: RegimeRule = RegimeRule()) -> dict:
+    from .models import load_policy
+    from .tasks.registry import max_new_tokens as response_bound, task_from_config
+
+    if config.model.threads:
+        torch.set_num_threads(config.model.threads)
+    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
+    model.eval()
+    task = task_from_config(config.task)
+    examples = task.examples(n, seed=config.train.seed, split="test")
+    bound = response_bound(config.task, task)
+    dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed)
+    rows = []
+    for budget in tqdm(budgets, desc="sweep", unit="budget"):
+        compression = KVCompression.from_rollout_config(dataclasses.replace(config.rollout, kv_budget=budget))
+        sparse = evaluate_policy(model, tokenizer, task, examples, bound, compression, 0, 1.0, config.train.seed)
+        mismatch = sampled_mismatch(model, tokenizer, examples[:sample_prompts], bound, compression, samples,
+                                    config.rollout.temperature, config.train.seed)
+        texts = mismatch.pop("_texts")
+        hits = task.reward(texts, **reward_columns(examples[:sample_prompts], samples))
+        rows.append({"budget": budget, "accuracy_sparse": sparse["accuracy"],
+                     "walk_exact_sparse": sparse.get("walk_exact"), "gap": dense["accuracy"] - sparse["accuracy"],
+                     "kv_peak_frac": sparse["kv"]["kv_peak_frac"], "kept_token_frac": sparse["kv"]["kept_token_frac"],
+                     "sampled_accuracy_sparse": sum(h >= 1.0 for h in hits) / max(len(hits), 1), **mismatch})
+    return {"model": config.model.model or "built-in", "task": task.name, "examples": n,
+            "kv_policy": config.rollout.kv_policy, "kv_window": config.rollout.kv_window,
+            "kv_interval": config.rollout.kv_interval, "dense": {"accuracy": dense["accuracy"],
+                                                                 "walk_exact": dense.get("walk_exact")},
+            "rows": rows, "rule": dataclasses.asdict(rule), **choose_regimes(rows, rule)}
+
+
+def choose_regimes(rows: list[dict], rule: RegimeRule) -> dict[str, int | None]:
+    """The paper and stress budgets of `rows` (each with budget, gap, veto_frac, kv_peak_frac)."""
+    paper = [r["budget"] for r in rows if r["gap"] <= rule.paper_gap and r["veto_frac"] <= rule.paper_veto]
+    stress = [r["budget"] for r in rows if 1 - r["kv_peak_frac"] >= rule.stress_saved and r["gap"] >= rule.stress_gap]
+    return {"paper_regime_budget": min(paper) if paper else None,
+            "stress_regime_budget": max(stress) if stress else None}
+
+
+def sweep_table(result: dict) -> str:
+    """The sweep as a Markdown table, with the regimes marked."""
+    header = ("| budget | sparse greedy acc | exact walks | dense − sparse | veto rate | band rate | ξ q01 "
+              "| peak KV / dense | KV tokens kept | regime |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [header]
+    for r in result["rows"]:
+        mark = {result["paper_regime_budget"]: "paper", result["stress_regime_budget"]: "stress"}.get(r["budget"], "")
+        exact = "—" if r["walk_exact_sparse"] is None else f"{100 * r['walk_exact_sparse']:.1f}%"
+        lines.append(f"| {r['budget']} | {100 * r['accuracy_sparse']:.1f}% | {exact} | {100 * r['gap']:+.1f} "
+                     f"| {r['veto_frac']:.3f} | {r['band_frac']:.3f} | {r['xi_q01']:.2g} | {r['kv_peak_frac']:.2f} "
+                     f"| {r['kept_token_frac']:.2f} | {mark} |")
+    d = result["dense"]
+    exact = "" if d["walk_exact"] is None else f", exact walks {100 * d['walk_exact']:.1f}%"
+    return (f"Dense greedy accuracy {100 * d['accuracy']:.1f}%{exact} on {result['examples']} held-out prompts; "
+            f"policy {result['kv_policy']}, window {result['kv_window']}, interval {result['kv_interval']}.\n\n"
+            + "\n".join(lines) + f"\n\nPaper regime: {result['paper_regime_budget']}; stress regime: "
+            f"{result['stress_regime_budget']} (rules: {json.dumps(result['rule'])}).")
+
+
+def write_sweep(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(sweep_table(result) + "\n")
