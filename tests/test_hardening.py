@@ -205,3 +205,10 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_says_how_to_resume(tiny_mod
     assert [p.name for p in list_checkpoints(out)] == [f"step_{done:06d}"]
     assert main(_train(tiny_model_dir, out, done + 1, "--resume", "--checkpoint-every", "1000")) == 0
     assert _steps(out) == list(range(done + 2))
+
+
+def test_a_comparison_that_cannot_start_leaves_nothing(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--out", str(out), "--model", str(tmp_path / "missing"), "--steps", "1"]) == 2
+    assert "missing" in _error(capsys)
+    assert not out.exists()

@@ -78,7 +78,7 @@ def test_report_table_regime_and_verdicts(tmp_path):
     # Regime: every sparse run's step-0 gap is 0.1; step-1 flagged veto 0.2 and 0.3 in both sparse modes.
     assert "gap dense − sparse +10.0 pts (+10.0–+10.0)" in table
     assert "step-0 veto rate (Sparse-RL filter) 25.0% (20.0–30.0)" in table
-    assert "peak KV 40.0% (40.0–40.0) of dense" in table
+    assert "peak KV bytes 40.0% (40.0–40.0) of dense" in table  # 1.6 MiB of 4 MiB
     rows = _rows(table)
     # sparse-rl: kept 0.5 and 0.6 -> saved 50% and 40%; rollout s 4 and 5; vetoed 2 per step.
     assert rows["sparse-rl"][0] == "80.0% (80.0–80.0)"

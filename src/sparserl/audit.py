@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .evaluate import decode_responses
+from .evaluate import decode_responses, held_out
 from .recompute import positions_from_mask
 from .rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 from .rollout.replay import replay_masks
@@ -34,20 +34,13 @@ def _column(source: str, index: int, prompt_width: int, prompt_length: int) -> i
 
 @torch.no_grad()
 def run_audit(config, n: int, batch_size: int = 100) -> dict:
-    from .models import load_policy
-    from .tasks.registry import max_new_tokens as response_bound, task_from_config
-
     if config.task.task != "pointer_walk":
         raise ValueError("sparserl audit reads the pointer walk's structure; use --task pointer_walk")
-    if config.model.threads:
-        torch.set_num_threads(config.model.threads)
-    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
-    model.eval()
-    task = task_from_config(config.task)
-    examples = task.examples(n, seed=config.train.seed, split="test")
+    setup = held_out(config, n)
+    model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
     compression = KVCompression.from_rollout_config(config.rollout)
     engine = RolloutEngine(model, compression, record_evictions=True)
-    sampling = SamplingConfig(max_new_tokens=response_bound(config.task, task), temperature=0.0,
+    sampling = SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=0.0,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     layers = model.config.num_hidden_layers
     firsts, correct_values = [], []

@@ -13,11 +13,12 @@ import dataclasses
 import datetime
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from .checkpoint import latest_checkpoint
 from .config import MODES, ConfigError, ExperimentConfig
-from .run_dir import RUN_FREE_FIELDS, config_differences
+from .run_dir import RUN_FREE_FIELDS, config_differences, holds_a_run
 from .evaluate import evaluate_policy
 from .metrics_log import METRICS_FILE, read_metrics
 from .rollout.engine import KVCompression
@@ -41,8 +42,24 @@ def run_compare(config: ExperimentConfig, modes: list[str], seeds: list[int]) ->
         raise ConfigError(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}")
     if not seeds or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds: give distinct integer seeds, e.g. 0,1,2 (got {seeds})")
-    out = Path(config.output.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(config.output.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory for the comparison")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out {out}: cannot create the directory ({error.strerror}); choose a writable one") from None
+    try:
+        return _run_jobs(config, out, modes, seeds)
+    except BaseException:
+        # A comparison that failed before any run logged a step leaves nothing behind.
+        if created and not any(holds_a_run(run) for run in out.glob("*/seed*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run_jobs(config: ExperimentConfig, out: Path, modes: list[str], seeds: list[int]) -> Path:
     manifest = out / "compare.json"
     record = json.loads(manifest.read_text()) if manifest.exists() else {
         "modes": [], "seeds": [], "config": config.to_dict(),
@@ -90,7 +107,8 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
     for inference, compression in (("dense", None), ("sparse", KVCompression.from_rollout_config(config.rollout))):
         result[inference] = evaluate_policy(trainer.model, trainer.tokenizer, trainer.task, trainer.eval_examples,
                                             trainer.max_new_tokens, compression, samples=0,
-                                            temperature=config.rollout.temperature, seed=config.train.seed)
+                                            temperature=config.rollout.temperature, seed=config.train.seed,
+                                            progress=True)
     tmp = run_dir / (FINAL_EVAL + ".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(run_dir / FINAL_EVAL)

@@ -105,18 +105,35 @@ def config_for_eval(config_file: str | None, overrides: dict):
     return load_config(None, {**base, **overrides})
 
 
-def run_eval(config, n: int, samples: int, inference: str) -> dict:
-    """The `sparserl eval` report for `config`'s model and task; see the module docstring."""
+@dataclass
+class HeldOut:
+    """What an inference-only command works on: the model in eval mode, its task, held-out examples."""
+
+    model: object
+    tokenizer: object
+    task: Task
+    examples: list[Example]
+    max_new_tokens: int
+
+
+def held_out(config, n: int) -> HeldOut:
+    """The model, task and `n` held-out (test split) examples that `config` names, threads set."""
     from .models import load_policy
     from .tasks.registry import max_new_tokens as response_bound, task_from_config
 
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
     model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
-    model.eval()
     task = task_from_config(config.task)
-    examples = task.examples(n, seed=config.train.seed, split="test")
-    max_new_tokens = response_bound(config.task, task)
+    return HeldOut(model.eval(), tokenizer, task, task.examples(n, seed=config.train.seed, split="test"),
+                   response_bound(config.task, task))
+
+
+def run_eval(config, n: int, samples: int, inference: str) -> dict:
+    """The `sparserl eval` report for `config`'s model and task; see the module docstring."""
+    setup = held_out(config, n)
+    model, tokenizer, task, examples, max_new_tokens = (setup.model, setup.tokenizer, setup.task, setup.examples,
+                                                        setup.max_new_tokens)
     modes = ["dense", "sparse"] if inference == "both" else [inference]
     report: dict = {"model": config.model.model or "built-in", "task": task.name, "examples": len(examples),
                     "max_new_tokens": max_new_tokens}

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .corrections import CorrectionConfig, compute_corrections
-from .evaluate import complete, evaluate_policy
+from .evaluate import complete, evaluate_policy, held_out
 from .recompute import batched_logprobs
 from .rollout.engine import KVCompression
 from .tasks.base import reward_columns
@@ -61,16 +61,9 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
 
 def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: int,
               rule: RegimeRule = RegimeRule()) -> dict:
-    from .models import load_policy
-    from .tasks.registry import max_new_tokens as response_bound, task_from_config
-
-    if config.model.threads:
-        torch.set_num_threads(config.model.threads)
-    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
-    model.eval()
-    task = task_from_config(config.task)
-    examples = task.examples(n, seed=config.train.seed, split="test")
-    bound = response_bound(config.task, task)
+    setup = held_out(config, n)
+    model, tokenizer, task, examples, bound = (setup.model, setup.tokenizer, setup.task, setup.examples,
+                                               setup.max_new_tokens)
     dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed)
     rows = []
     for budget in tqdm(budgets, desc="sweep", unit="budget"):
