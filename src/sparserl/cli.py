@@ -62,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:
         from .trainer import TrainingInterrupted
 
-        message = str(interrupt) if isinstance(interrupt, TrainingInterrupted) else \
-            "interrupted; rerun the same command (with --resume for train) to continue from the last checkpoint"
-        print(f"sparserl: {message}", file=sys.stderr)
+        remedy = "rerun the same command with --resume to continue" if args.command == "train" else \
+            "rerun the same command to continue from the last checkpoint"
+        what = str(interrupt) if isinstance(interrupt, TrainingInterrupted) else "interrupted"
+        print(f"sparserl: {what}; {remedy}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -62,8 +62,7 @@ class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM: the run stopped at a step boundary after saving a checkpoint."""
 
     def __init__(self, step: int, run_dir: Path):
-        super().__init__(f"interrupted at step {step}; the last checkpoint is step {step} in {run_dir}; "
-                         "rerun the same command with --resume to continue")
+        super().__init__(f"interrupted at step {step}; the last checkpoint is step {step} in {run_dir}")
         self.step = step
 
 
