@@ -219,3 +219,64 @@ def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
     for seed in (0, 1):  # a second rollout must not reuse the first one's sums
         engine.generate(_prompts(tokenizer), sampling, torch.Generator().manual_seed(seed))
     assert CheckedRKV.checked > 20
+
+
+@pytest.mark.parametrize("policy", ["rkv", "streamingllm"])
+def test_acceptance_rate_of_a_recorded_rollout(tiny, policy):
+    """A budget past every length makes the sampler the dense policy (α = 1 at every token); a small
+    one moves it (some α < 1); recording top-k only gives a lower bound of the full-vocabulary α."""
+    from sparserl.mismatch import rollout_acceptance
+
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer)
+    sampling = SamplingConfig(30, 1.0, eos_token_id=None)
+    for budget, check in ((10**6, "dense"), (10, "sparse")):
+        engine = RolloutEngine(model, KVCompression(policy, budget=budget, window=3, interval=3),
+                               record_distributions=True)
+        batch = engine.generate(prompts, sampling, torch.Generator().manual_seed(0))
+        assert batch.sampler_distribution.shape == (*batch.response_ids.shape, model.config.vocab_size)
+        # The recorded distribution is the one each token was drawn from.
+        drawn = batch.sampler_distribution.gather(2, batch.response_ids[..., None]).squeeze(2)
+        assert torch.allclose(drawn * batch.response_mask, batch.sampler_logprobs, atol=1e-6)
+        alpha = rollout_acceptance(model, batch, temperature=1.0)
+        real = batch.response_mask.bool()
+        if check == "dense":
+            assert torch.allclose(alpha[real], torch.ones_like(alpha[real]), atol=1e-5)
+        else:
+            assert float(alpha[real].min()) < 0.99 and float(alpha[real].max()) <= 1 + 1e-5
+            full = alpha.clone()
+            values, ids = batch.sampler_distribution.topk(3, dim=-1)
+            batch.sampler_distribution, batch.sampler_topk = None, (values, ids)
+            assert bool((rollout_acceptance(model, batch, temperature=1.0) <= full + 1e-6).all())
+
+
+def test_a_budget_schedule_grows_memory_with_it_and_replays_exactly(tiny):
+    """Under a schedule the budget follows the cached length: each compression keeps the budget of
+    its length's bin, memory never exceeds the largest budget reached plus an interval, the replay
+    still reproduces the sampler, and a schedule past every length is bitwise dense."""
+    from sparserl.rollout.schedule import BinnedBudget
+
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer, ragged=False)  # 20 tokens each
+    schedule = BinnedBudget(8, (6, 6, 6, 10, 14, 30, 40))  # 24-31: 10; 32-39: 14; 40-47: 30; 48 on: 40
+    interval = 3
+    batch = _sample(model, tokenizer, KVCompression("snapkv", budget=99, window=2, interval=interval, schedule=schedule),
+                    max_new=24, prompts=prompts, eos=False)
+    width = batch.prompt_ids.shape[1]
+    assert batch.evictions
+    for event in batch.evictions:
+        assert event.kept_columns.shape[-1] == schedule.budget(event.first_column), event.first_column
+    reached = max(schedule.budget(e.first_column) for e in batch.evictions)
+    layers = len(model.model.layers)
+    slot_bytes = batch.kv.kv_dense_bytes // (width + batch.response_ids.shape[1])
+    assert batch.kv.kv_peak_bytes <= slot_bytes * (max(width, reached) + interval)
+    assert batch.kv.kv_peak_bytes < slot_bytes * (schedule.max_budget + interval)  # not sized for the last bin
+    mask = batch.response_mask.bool()
+    assert (replay_logprobs(model, batch) - batch.sampler_logprobs).abs()[mask].max() <= 1e-5
+    huge = BinnedBudget(8, (10**6,))
+    dense = _sample(model, tokenizer, max_new=24, prompts=prompts, eos=False)
+    sparse = _sample(model, tokenizer, KVCompression("snapkv", budget=4, window=2, interval=3, schedule=huge),
+                     max_new=24, prompts=prompts, eos=False)
+    assert torch.equal(dense.response_ids, sparse.response_ids)
+    assert torch.equal(dense.sampler_logprobs, sparse.sampler_logprobs)
+    assert layers >= 1

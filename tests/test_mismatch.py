@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparserl.mismatch import acceptance_rate, tail_statistic
+from sparserl.mismatch import acceptance_rate, alpha_metrics, alpha_points, tail_statistic
 
 
 def _brute_alpha(p: np.ndarray, q: np.ndarray, k: int | None) -> float:
@@ -75,3 +75,14 @@ def test_tail_statistic_empty_bins_are_nan():
     assert got[0].item() == 1.0 and math.isnan(got[1].item()) and math.isnan(got[2].item())
     with pytest.raises(ValueError):
         tail_statistic(alpha, mask[:, :5], bin_size=4)
+
+
+def test_alpha_metrics_bin_by_cached_length_by_hand():
+    # Two rows: prompt lengths 2 and 4, responses of 3 and 2 tokens. Cached lengths at sampling:
+    # row 0 -> 2, 3, 4; row 1 -> 4, 5. With bins of 3: [0,3) holds 0.9; [3,6) holds 0.5, 0.2, 0.7, 0.4.
+    alpha = torch.tensor([[0.9, 0.5, 0.2], [0.7, 0.4, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = alpha_metrics(*alpha_points(alpha, mask, torch.tensor([2, 4])), bin_size=3, quantile=0.0)
+    assert out["alpha_tail_len_0"] == pytest.approx(0.9) and out["alpha_tail_len_3"] == pytest.approx(0.2)
+    assert out["alpha_tail"] == pytest.approx(0.2)
+    assert out["alpha_mean"] == pytest.approx((0.9 + 0.5 + 0.2 + 0.7 + 0.4) / 5)

@@ -76,6 +76,12 @@ def test_naive_sparse_with_a_huge_budget_equals_dense(tiny_model_dir, tmp_path):
     dense = _without_timings(read_metrics(tmp_path / "dense" / "metrics.jsonl"))
     sparse = _without_timings(read_metrics(tmp_path / "sparse" / "metrics.jsonl"))
     assert "eval_accuracy_sparse" not in dense[0]  # only on request: it would depend on the budget
+    # A sparse sampler that never evicts is the dense policy: α is 1 at every token.
+    for record in sparse[1:]:
+        assert record.pop("alpha_mean") == pytest.approx(1.0, abs=1e-5)
+        assert record.pop("alpha_tail_tokens") > 0
+        for key in [k for k in record if k.startswith("alpha_tail")]:
+            assert record.pop(key) == pytest.approx(1.0, abs=1e-5)
     assert dense == sparse
 
 
@@ -90,6 +96,8 @@ def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
                 "kv_dense_bytes", "kv_kept_tokens_mean", "skipped_steps", "eval_accuracy_dense", "walk_exact",
                 "eval_walk_exact_dense"):
         assert key in record, key
+    assert ("alpha_mean" in record and 0 <= record.get("alpha_tail", 0) <= record["alpha_mean"] <= 1 + 1e-5) \
+        == (mode != "dense")
     sparse = mode != "dense"
     assert (record["kv_peak_bytes"] < record["kv_dense_bytes"]) == sparse
     if mode in ("dense", "naive-sparse", "sparse-tis"):  # no rejection applied: trains on every token,

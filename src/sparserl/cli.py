@@ -30,6 +30,7 @@ COMMANDS = {
     "eval": "held-out accuracy and pass@k, dense or sparse inference",
     "sweep": "accuracy, veto rate and KV saved at each KV budget; names the two regimes",
     "audit": "pointer walk: where sparse rollouts first go wrong, and whether the token they needed was evicted",
+    "calibrate": "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
     "compare": "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
 }
 # The config fields each inference-only command uses: the model, the task, the sampler and its cache.
@@ -146,6 +147,21 @@ def _audit_arguments(sub) -> None:
     _inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)")
 
 
+def _calibrate_arguments(sub) -> None:
+    from .config import add_config_arguments
+
+    _common(sub)
+    sub.add_argument("--out", required=True, metavar="DIR",
+                     help="where schedule.yaml, tails.png, calibration.md and calibration.json go")
+    sub.add_argument("--tau", type=float, default=0.86, help="the tail a bin's budget must reach (default: 0.86)")
+    sub.add_argument("--budgets", default="24,32,40,48,56,64,72,80,96,128", metavar="B,B,...",
+                     help="comma-separated KV budgets to try (default: 24,32,...,128)")
+    sub.add_argument("--bin-size", type=int, default=16, help="cached-length bin in tokens (default: 16)")
+    sub.add_argument("--prompts", type=int, default=32, help="calibration prompts, from the train split (default: 32)")
+    sub.add_argument("--samples", type=int, default=4, help="sampled rollouts per prompt (default: 4)")
+    add_config_arguments(sub, only=INFERENCE_FIELDS, skip=("out", "kv_budget", "kv_schedule") + SAMPLER_ONLY)
+
+
 def _compare_arguments(sub) -> None:
     from .config import add_config_arguments
 
@@ -232,6 +248,16 @@ def _audit(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    from .calibrate import calibration_table, run_calibration
+
+    result = run_calibration(_config(args), Path(args.out), _int_list(args.budgets, "budgets"), tau=args.tau,
+                             bin_size=args.bin_size, prompts=args.prompts, samples=args.samples)
+    print(calibration_table(result))
+    print(f"\nschedule: {Path(args.out) / 'schedule.yaml'} (use it with --kv-schedule); plot: {Path(args.out) / 'tails.png'}")
+    return 0
+
+
 def _compare(args) -> int:
     from .compare import run_compare
 
@@ -255,7 +281,8 @@ def _write_json(out: Path, result: dict) -> None:
 
 _HANDLERS = {"warmup": (_warmup_arguments, _warmup), "train": (_train_arguments, _train),
              "eval": (_eval_arguments, _eval), "sweep": (_sweep_arguments, _sweep),
-             "audit": (_audit_arguments, _audit), "compare": (_compare_arguments, _compare)}
+             "audit": (_audit_arguments, _audit), "calibrate": (_calibrate_arguments, _calibrate),
+             "compare": (_compare_arguments, _compare)}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,6 +59,8 @@ class RolloutConfig:
     kv_budget: int = 80  # KV tokens kept per layer; 80 is the built-in experiment's paper regime, 56 its stress regime
     kv_window: int = 8  # most recent tokens always kept (the observation window)
     kv_interval: int = 8  # decode steps between compressions
+    kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`) that replaces kv_budget
+    alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
     kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
     kv_lambda: float = 0.1  # rkv: weight of importance against redundancy
     kv_similarity_threshold: float = 0.5  # rkv: key cosine similarity above which the older twin is redundant
@@ -277,6 +279,7 @@ def validate(config: ExperimentConfig) -> None:
         (config.rollout.kv_budget > config.rollout.kv_window,
          f"kv_budget ({config.rollout.kv_budget}) must exceed kv_window ({config.rollout.kv_window})"),
         (config.rollout.kv_interval >= 1, "kv_interval must be >= 1"),
+        (config.rollout.alpha_bin_size >= 1, "alpha_bin_size must be >= 1"),
         (config.rollout.temperature > 0, "temperature must be > 0 for RL sampling"),
         (config.train.steps >= 0, "steps must be >= 0"),
         (config.train.lr > 0, "lr must be > 0"),
@@ -306,6 +309,13 @@ def validate(config: ExperimentConfig) -> None:
         if not ok:
             raise ConfigError(message)
     _validate_kv_policy(config.rollout)
+    if config.rollout.kv_schedule:
+        from .rollout.schedule import BinnedBudget
+
+        try:
+            BinnedBudget.from_yaml(config.rollout.kv_schedule)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     total = config.rollout.prompts_per_step * config.rollout.group_size
     if total % config.train.minibatches:
         raise ConfigError(f"minibatches ({config.train.minibatches}) must divide prompts_per_step x group_size ({total})")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .mismatch import alpha_metrics, alpha_points, rollout_acceptance
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
 from .tasks.base import Example, Task, reward_columns, walk_metrics
 
@@ -25,10 +26,11 @@ class Completions:
 
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
              compression: KVCompression | None = None, batch_size: int = 256, samples: int = 1,
-             generator: torch.Generator | None = None, progress: str | None = None) -> Completions:
+             generator: torch.Generator | None = None, progress: str | None = None,
+             record_distributions: bool = False) -> Completions:
     """Sample `samples` completions per example (grouped: example i's come out consecutively).
     `progress`: a label for a progress bar over the decode steps, None for silence."""
-    engine = RolloutEngine(model, compression, record_evictions=False)
+    engine = RolloutEngine(model, compression, record_evictions=False, record_distributions=record_distributions)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
@@ -140,7 +142,8 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     for mode in modes:
         compression = KVCompression.from_rollout_config(config.rollout) if mode == "sparse" else None
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
-                               config.rollout.temperature, config.train.seed, progress=True)
+                               config.rollout.temperature, config.train.seed, progress=True,
+                               alpha_bin_size=config.rollout.alpha_bin_size)
         report[mode] = part
     headline = report[modes[0]]
     report.update(headline)
@@ -150,17 +153,25 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
 
 def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                     compression: KVCompression | None, samples: int, temperature: float, seed: int,
-                    progress: bool = False) -> dict:
+                    progress: bool = False, alpha_bin_size: int = 16) -> dict:
+    """Greedy accuracy (and walk metrics), pass@k from `samples` samples, and under sparse inference
+    the KV figures and the acceptance rate α of the greedy rollouts against the dense model."""
     kind = "dense" if compression is None else "sparse"
     label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
-    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, progress=label("greedy"))
+    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, progress=label("greedy"),
+                      record_distributions=compression is not None)
     correct = [r >= 1.0 for r in task.reward(greedy.texts, **reward_columns(examples))]
     result = {"accuracy": sum(correct) / max(len(correct), 1), **walk_metrics(task, greedy.texts, examples),
               **_token_figures(greedy.batches)}
     if compression is not None:
         result["kv"] = {"policy": compression.policy, "budget": compression.budget,
+                        "schedule": None if compression.schedule is None else list(compression.schedule.budgets),
                         "window": compression.window, "interval": compression.interval,
                         **_kv_figures(greedy.batches)}
+        points = [alpha_points(rollout_acceptance(model, b, 0.0), b.response_mask, b.prompt_lengths)
+                  for b in greedy.batches]
+        result.update(alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]),
+                                    alpha_bin_size))
     if samples > 0:
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
                            generator=torch.Generator().manual_seed(seed), progress=label("sampled"))

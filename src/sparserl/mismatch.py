@@ -53,3 +53,65 @@ def tail_statistic(alpha: torch.Tensor, mask: torch.Tensor, bin_size: int, quant
         values = alpha[:, start:start + bin_size][keep[:, start:start + bin_size]].float()
         tails.append(torch.quantile(values, quantile) if values.numel() else torch.tensor(math.nan))
     return torch.stack(tails) if tails else torch.zeros(0)
+
+
+@torch.no_grad()
+def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int = 64) -> torch.Tensor:
+    """α `[N, T]` at every response position of `batch` (a `RolloutBatch` sampled with
+    `record_distributions`), against the dense `model` on the same prefixes; 0 outside the response.
+
+    The dense distribution is processed as the sampler's was (temperature applied; greedy rollouts
+    record the plain softmax). With only the sampler's top-k recorded (large vocabularies), the
+    sum runs over those k tokens: a lower bound of α.
+    """
+    from .recompute import micro_batches, positions_from_mask
+
+    scale = temperature if temperature > 0 else 1.0
+    span = batch.response_ids.shape[1]
+    parts = []
+    for rows in micro_batches(len(batch), micro_batch_size):
+        ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False,
+                       logits_to_keep=span + 1).logits[:, :-1].float()
+        dense = torch.log_softmax(logits / scale, dim=-1)
+        if batch.sampler_distribution is not None:
+            parts.append(acceptance_rate(batch.sampler_distribution[rows], dense))
+        else:
+            values, token_ids = batch.sampler_topk
+            parts.append(torch.minimum(values[rows], dense.gather(-1, token_ids[rows])).exp().sum(dim=-1))
+    return torch.cat(parts) * batch.response_mask
+
+
+def alpha_points(alpha: torch.Tensor, response_mask: torch.Tensor,
+                 prompt_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(α `[M]`, cached length `[M]`) of the M response tokens of a batch: each token's α with the
+    length the cache had fed when it was sampled (prompt length + response position), the length
+    a budget schedule reads."""
+    keep = response_mask.bool()
+    lengths = prompt_lengths[:, None].long() + torch.arange(alpha.shape[1], device=alpha.device)[None, :]
+    return alpha[keep].float(), lengths[keep]
+
+
+def alpha_metrics(alpha: torch.Tensor, cached_lengths: torch.Tensor, bin_size: int,
+                  quantile: float = 0.05) -> dict[str, float]:
+    """`alpha_mean`, `alpha_tail` (the lowest per-bin `quantile`) and `alpha_tail_len_<start>` for
+    each cached-length bin, from the points of `alpha_points` (any number of batches concatenated).
+
+    A bin needs at least 1 / quantile tokens (20 for the 5th percentile) for its quantile to be
+    more than its single worst token; sparser bins are left out, and `alpha_tail_tokens` says how
+    many tokens the tail rests on.
+    """
+    if alpha.numel() == 0:
+        return {}
+    least = math.ceil(1 / quantile) if quantile > 0 else 1
+    bins = cached_lengths // bin_size
+    per_bin, counted = {}, 0
+    for b in torch.unique(bins).tolist():
+        values = alpha[bins == b]
+        if values.numel() >= least:
+            per_bin[f"alpha_tail_len_{int(b) * bin_size}"] = float(torch.quantile(values, quantile))
+            counted += values.numel()
+    out = {"alpha_mean": float(alpha.mean()), "alpha_tail_tokens": float(counted), **per_bin}
+    if per_bin:
+        out["alpha_tail"] = min(per_bin.values())
+    return out

@@ -98,6 +98,7 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     skipped = series(steps, "skipped_steps")[1]
     s["skipped"] = skipped[-1] if skipped else None
     s["veto0"] = steps[0].get("flagged_veto_frac") if steps else None
+    s["alpha_tail0"] = steps[0].get("alpha_tail") if steps else None
     for key, how in MISMATCH_KEYS:
         values = series(steps, key)[1]
         s[key] = (min(values) if values else None) if how == "min" else _mean(values)
@@ -166,6 +167,7 @@ def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
     gaps = [s["acc0_dense"] - s["acc0_sparse"] for s in sparse
             if s.get("acc0_dense") is not None and s.get("acc0_sparse") is not None]
     return {"gap0": gaps, "veto0": [s["veto0"] for s in sparse if s.get("veto0") is not None],
+            "alpha_tail0": [s["alpha_tail0"] for s in sparse if s.get("alpha_tail0") is not None],
             # The run's largest cache against its longest dense one, as the table's MiB columns (a
             # per-step ratio is inflated by steps whose responses all ended early).
             "kv_peak_frac": [s["kv_peak"] / s["kv_dense"] for s in sparse if s.get("kv_peak") and s.get("kv_dense")],
@@ -178,8 +180,8 @@ def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
             f"{_setting(config, 'kv_window')}, interval {_setting(config, 'kv_interval')}); step-0 greedy accuracy "
             f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
             f"peak KV bytes {cell(r['kv_peak_frac'])} of dense; KV tokens saved (mean over rollouts) "
-            f"{cell(r['kv_saved'])}; "
-            "α tail: not measured (Sparrow part 1).")
+            f"{cell(r['kv_saved'])}; step-0 α tail (5th percentile, worst length bin) "
+            + (cell(r["alpha_tail0"], ".3f") if r["alpha_tail0"] else "not logged by these runs") + ".")
 
 
 def paper_table(compare_dir: Path) -> str:

@@ -26,6 +26,7 @@ from .corrections import CorrectionConfig, compute_corrections, rejection_by_len
 from .evaluate import decode_responses, greedy_scores
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
+from .mismatch import alpha_metrics, alpha_points, rollout_acceptance
 from .models import load_policy
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
@@ -101,7 +102,7 @@ class GRPOTrainer:
         self.compression = KVCompression.from_rollout_config(config.rollout)
         sparse = config.train.mode in SPARSE_MODES
         self.engine = RolloutEngine(self.model, self.compression if sparse else None,
-                                    record_evictions=False)
+                                    record_evictions=False, record_distributions=sparse)
         self.corrections = mode_corrections(config.train.mode, config.correction)
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
@@ -193,6 +194,10 @@ class GRPOTrainer:
             logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
         logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
                     if self.reference is not None else None)
+        # α needs the sampler's whole distributions and the pre-update weights.
+        acceptance = {} if batch.sampler_distribution is None and batch.sampler_topk is None else alpha_metrics(
+            *alpha_points(rollout_acceptance(self.model, batch, cfg.rollout.temperature, mb), batch.response_mask,
+                          batch.prompt_lengths), cfg.rollout.alpha_bin_size)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
         # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
         flagged = corrections if self.corrections == cfg.correction else \
@@ -239,6 +244,7 @@ class GRPOTrainer:
             **{"flagged_" + key: value for key, value in
                rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()).items()},
             **diagnostics,
+            **acceptance,
             "rejected_token_frac": rejected,
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
             "starving_steps": self.state.starving_steps,

@@ -21,6 +21,7 @@ import torch
 from .attention import masked_attention
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
 from .kv_policies import POLICIES, KVPolicy, ScoringInputs, select_slots
+from .schedule import BinnedBudget, BudgetSchedule, FixedBudget
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class KVCompression:
     interval: int = 8
     per_head: bool = False
     policy_options: tuple[tuple[str, object], ...] = ()
+    # A budget that grows with the cached length; None keeps `budget` throughout.
+    schedule: BudgetSchedule | None = None
 
     @classmethod
     def from_rollout_config(cls, rollout) -> KVCompression:
@@ -48,8 +51,14 @@ class KVCompression:
         options = (("lam", rollout.kv_lambda), ("similarity_threshold", rollout.kv_similarity_threshold),
                    ("kernel_size", rollout.kv_kernel_size), ("pooling", rollout.kv_pooling),
                    ("sinks", rollout.kv_sinks))
+        schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule else None
         return cls(policy=rollout.kv_policy, budget=rollout.kv_budget, window=rollout.kv_window,
-                   interval=rollout.kv_interval, per_head=rollout.kv_per_head, policy_options=options)
+                   interval=rollout.kv_interval, per_head=rollout.kv_per_head, policy_options=options,
+                   schedule=schedule)
+
+    @property
+    def budgets(self) -> BudgetSchedule:
+        return self.schedule or FixedBudget(self.budget)
 
     def build_policy(self) -> KVPolicy:
         if self.policy not in POLICIES:
@@ -79,6 +88,11 @@ class RolloutBatch:
     rollout_seconds: float
     kv: KVStats = field(default_factory=KVStats)
     evictions: list[EvictionEvent] = field(default_factory=list)
+    # The sampler's whole processed next-token distribution, kept when the engine is asked to (what
+    # the acceptance rate needs): `[N, T, V]` log-probs for V <= FULL_DISTRIBUTION_VOCAB, else its
+    # top-k as log-probs and token ids, each `[N, T, k]`.
+    sampler_distribution: torch.Tensor | None = None
+    sampler_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -161,14 +175,24 @@ class _RolloutAttention:
             self.mass[layer_idx] = self.mass[layer_idx].gather(2, per_head)
 
 
-class RolloutEngine:
-    """Samples from a causal LM with a dense or compressed KV cache."""
+FULL_DISTRIBUTION_VOCAB = 4096
+DISTRIBUTION_TOP_K = 20
 
-    def __init__(self, model, compression: KVCompression | None = None, record_evictions: bool = True):
+
+class RolloutEngine:
+    """Samples from a causal LM with a dense or compressed KV cache.
+
+    `record_distributions` keeps the sampler's processed next-token distribution at every response
+    position (see `RolloutBatch.sampler_distribution`), for the acceptance rate α.
+    """
+
+    def __init__(self, model, compression: KVCompression | None = None, record_evictions: bool = True,
+                 record_distributions: bool = False):
         self.model = model
         self.compression = compression
         self.policy = compression.build_policy() if compression else None
         self.record_evictions = record_evictions
+        self.record_distributions = record_distributions
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -184,12 +208,12 @@ class RolloutEngine:
         steps = sampling.max_new_tokens
         comp = self.compression
         num_layers = len(_decoder_layers(model))
-        budgets = [self.policy.layer_budget(comp.budget, i, num_layers) for i in range(num_layers)] if comp else None
-        # Each layer holds at most max(prompt, its budget) + interval slots; dense holds everything.
-        capacities = [min(max(width, b) + comp.interval, width + steps) for b in budgets] if comp \
-            else [width + steps] * num_layers
+        # Each layer holds at most max(prompt, its largest budget) + interval slots; dense holds everything.
+        capacities = [min(max(width, self._layer_budgets(comp.budgets.max_budget, num_layers)[i]) + comp.interval,
+                          width + steps) for i in range(num_layers)] if comp else [width + steps] * num_layers
+        # Compressed buffers grow an interval at a time, so that memory follows a growing schedule.
         cache = build_cache(model, batch, capacities, bool(comp and comp.per_head),
-                            dtype, device, full_capacity=width + steps)
+                            dtype, device, full_capacity=width + steps, growth=comp.interval if comp else 64)
         provider = _RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
                                      keep_mass=bool(comp and self.policy.needs_attention_mass))
         prompt_lengths = prompt_mask.sum(dim=1)
@@ -204,6 +228,7 @@ class RolloutEngine:
         if self.policy is not None:
             self.policy.begin_rollout()
         fed_tokens = prompt_lengths.clone()
+        distributions: list = []
 
         with masked_attention(model, provider):
             columns = torch.arange(width, device=device).expand(batch, -1)
@@ -212,7 +237,10 @@ class RolloutEngine:
             logits = model(input_ids=prompt_ids, position_ids=positions, past_key_values=cache,
                            use_cache=True, logits_to_keep=1).logits[:, -1]
             for step in range(steps):
-                token, token_logprob = _sample(logits, sampling.temperature, generator)
+                token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator)
+                if self.record_distributions:
+                    distributions.append(step_logp if step_logp.shape[-1] <= FULL_DISTRIBUTION_VOCAB
+                                         else step_logp.topk(DISTRIBUTION_TOP_K, dim=-1))
                 token = torch.where(live, token, sampling.pad_token_id)
                 response_ids[:, step] = token
                 logprobs[:, step] = torch.where(live, token_logprob, 0.0)
@@ -225,6 +253,9 @@ class RolloutEngine:
                 if step == steps - 1 or not bool(live.any()):
                     break
                 if comp and since_compression >= comp.interval:
+                    # The schedule reads the cached length of the longest prompt's row (padded columns),
+                    # the most any row of the batch has fed.
+                    budgets = self._layer_budgets(comp.budgets.budget(width + step), num_layers)
                     if self._compress(cache, provider, budgets, width + step, evictions, stats):
                         since_compression = 0
                 provider.begin_forward((width + step) * torch.ones(batch, 1, dtype=torch.long, device=device),
@@ -249,8 +280,11 @@ class RolloutEngine:
             sampler_logprobs=logprobs[:, :span], prompt_lengths=prompt_lengths,
             response_lengths=lengths, ended=ended,
             rollout_seconds=time.perf_counter() - started, kv=stats,
-            evictions=evictions,
+            evictions=evictions, **_stack_distributions(distributions, span),
         )
+
+    def _layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        return [self.policy.layer_budget(budget, i, num_layers) for i in range(num_layers)]
 
     def _compress(self, cache: BufferCache, provider: _RolloutAttention, budgets: list[int], next_column: int,
                   evictions: list[EvictionEvent], stats: KVStats) -> bool:
@@ -281,8 +315,17 @@ class RolloutEngine:
         return compressed
 
 
+def _stack_distributions(distributions: list, span: int) -> dict:
+    if not distributions:
+        return {}
+    if isinstance(distributions[0], torch.Tensor):
+        return {"sampler_distribution": torch.stack(distributions[:span], dim=1)}
+    return {"sampler_topk": (torch.stack([d.values for d in distributions[:span]], dim=1),
+                             torch.stack([d.indices for d in distributions[:span]], dim=1))}
+
+
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """Token `[N]` and its log-prob `[N]` under the distribution it was drawn from."""
+    """Token `[N]`, its log-prob `[N]` and the whole log-distribution `[N, V]` it was drawn from."""
     logits = logits.float()
     if temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
@@ -290,7 +333,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     else:
         logp = torch.log_softmax(logits / temperature, dim=-1)
         token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-    return token, logp.gather(1, token[:, None]).squeeze(1)
+    return token, logp.gather(1, token[:, None]).squeeze(1), logp
 
 
 def _token_accounting(cache: BufferCache, fed_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

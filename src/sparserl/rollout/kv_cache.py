@@ -172,9 +172,9 @@ class BufferCache(Cache):
 
 
 def build_cache(model, batch: int, capacities: list[int], per_head_selection: bool,
-                dtype: torch.dtype, device: torch.device, full_capacity: int) -> BufferCache:
-    """One buffer layer per decoder layer, holding up to `capacities[i]` slots; sliding-window
-    layers get the dense `full_capacity`."""
+                dtype: torch.dtype, device: torch.device, full_capacity: int, growth: int = 64) -> BufferCache:
+    """One buffer layer per decoder layer, holding up to `capacities[i]` slots and growing
+    `growth` slots at a time; sliding-window layers get the dense `full_capacity`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -187,6 +187,6 @@ def build_cache(model, batch: int, capacities: list[int], per_head_selection: bo
             batch, kv_heads, head_dim,
             max_capacity=full_capacity if sliding else capacity,
             selection_heads=kv_heads if per_head_selection and not sliding else 1,
-            dtype=dtype, device=device, sliding_window=window if sliding else None,
+            dtype=dtype, device=device, sliding_window=window if sliding else None, growth=growth,
         ))
     return BufferCache(layers)

@@ -1,0 +1,122 @@
+"""`sparserl calibrate`: the smallest KV budget per cached-length bin that keeps the α tail ≥ τ.
+
+Sparrow's calibration (SPEC §4). For each budget of a grid it samples rollouts of the current
+model on calibration prompts (the task's train split, so the held-out set stays untouched), scores
+every response token's acceptance rate α against the dense model, and takes the `quantile` (5th
+percentile) of α in each bin of cached length. A bin's budget is the smallest whose tail reaches
+τ; a bin no budget rescues gets the largest and is reported; budgets are then made
+non-decreasing along the sequence. It writes, into `--out`:
+
+- `schedule.yaml`: the schedule, for `--kv-schedule`;
+- `tails.png`: the tail against cached length, one line per budget, with τ drawn;
+- `calibration.md` and `calibration.json`: the table behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .evaluate import complete, held_out
+from .mismatch import alpha_metrics, alpha_points, rollout_acceptance
+from .rollout.engine import KVCompression
+from .rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
+
+
+def _tails(setup, config, examples, schedule: BudgetSchedule, samples: int, bin_size: int,
+           quantile: float) -> dict[int, float]:
+    """{bin start: α tail} of sampled rollouts under `schedule` (same prompts and seed every call)."""
+    compression = KVCompression.from_rollout_config(dataclasses.replace(config.rollout, kv_schedule=None))
+    compression = dataclasses.replace(compression, schedule=schedule)
+    done = complete(setup.model, setup.tokenizer, examples, setup.max_new_tokens, config.rollout.temperature,
+                    compression, samples=samples, generator=torch.Generator().manual_seed(config.train.seed),
+                    record_distributions=True)
+    points = [alpha_points(rollout_acceptance(setup.model, b, config.rollout.temperature), b.response_mask,
+                           b.prompt_lengths) for b in done.batches]
+    metrics = alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), bin_size, quantile)
+    return {int(k.rsplit("_", 1)[1]): v for k, v in metrics.items() if k.startswith("alpha_tail_len_")}
+
+
+def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size: int, prompts: int,
+                    samples: int, quantile: float = 0.05) -> dict:
+    setup = held_out(config, 0)
+    examples = setup.task.examples(prompts, seed=config.train.seed, split="train")
+    budgets = sorted(budgets)
+    measure = lambda schedule: _tails(setup, config, examples, schedule, samples, bin_size, quantile)  # noqa: E731
+    fixed = {b: measure(FixedBudget(b)) for b in tqdm(budgets, desc="calibrate: fixed budgets", unit="budget")}
+    starts = sorted({start for per_bin in fixed.values() for start in per_bin})
+    chosen: list[int] = []
+    unmet: list[int] = []
+    bar = tqdm(total=len(range(0, starts[-1] + 1, bin_size)) if starts else 0, desc="calibrate: schedule", unit="bin")
+    for start in range(0, starts[-1] + 1 if starts else 0, bin_size):
+        floor = chosen[-1] if chosen else budgets[0]
+        pick = None
+        for budget in (b for b in budgets if b >= floor):
+            tails = measure(BinnedBudget(bin_size, tuple(chosen) + (budget,)))
+            if all(tail >= tau for bin_start, tail in tails.items() if bin_start >= start):
+                pick = budget
+                break
+        if pick is None:
+            pick = budgets[-1]
+            if measure(BinnedBudget(bin_size, tuple(chosen) + (pick,))).get(start, tau) < tau:
+                unmet.append(start)
+        chosen.append(pick)
+        bar.update(1)
+    bar.close()
+    schedule = BinnedBudget(bin_size, tuple(chosen or budgets[:1]))
+    achieved = measure(schedule)
+    out.mkdir(parents=True, exist_ok=True)
+    schedule.to_yaml(out / "schedule.yaml", tau=tau, quantile=quantile, policy=config.rollout.kv_policy,
+                     window=config.rollout.kv_window, interval=config.rollout.kv_interval)
+    result = {"tau": tau, "bin_size": bin_size, "quantile": quantile, "prompts": prompts, "samples": samples,
+              "tails": {str(b): t for b, t in fixed.items()}, "schedule": list(schedule.budgets),
+              "schedule_tails": achieved, "unmet_bins": unmet}
+    (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "calibration.md").write_text(calibration_table(result) + "\n")
+    _plot(out / "tails.png", fixed, achieved, tau, schedule)
+    return result
+
+
+def calibration_table(result: dict) -> str:
+    def cell(per_bin: dict, start: int) -> str:
+        value = per_bin.get(start, per_bin.get(str(start)))  # int keys, or str once through JSON
+        return "—" if value is None else f"{value:.3f}"
+
+    starts = sorted({int(s) for t in [*result["tails"].values(), result["schedule_tails"]] for s in t})
+    lines = ["| budget | " + " | ".join(f"tail @{s}" for s in starts) + " |", "|" + "---|" * (len(starts) + 1)]
+    for budget, per_bin in result["tails"].items():
+        lines.append(f"| {budget} | " + " | ".join(cell(per_bin, s) for s in starts) + " |")
+    lines.append("| **schedule** | " + " | ".join(cell(result["schedule_tails"], s) for s in starts) + " |")
+    schedule = ", ".join(f"{i * result['bin_size']}+: {b}" for i, b in enumerate(result["schedule"]))
+    unmet = f" No budget reached τ in the bins starting at {result['unmet_bins']}." if result["unmet_bins"] else ""
+    return (f"α tail ({result['quantile']:.0%} quantile per cached-length bin of {result['bin_size']} tokens) on "
+            f"{result['prompts']} calibration prompts × {result['samples']} samples; τ = {result['tau']}. Rows: fixed "
+            "budgets, then the chosen schedule.\n\n" + "\n".join(lines)
+            + f"\n\nSchedule (cached length: budget): {schedule}.{unmet}")
+
+
+def _plot(path: Path, tails: dict[int, dict[int, float]], achieved: dict[int, float], tau: float,
+          schedule: BinnedBudget) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for budget, per_bin in sorted(tails.items()):
+        starts = sorted(per_bin)
+        ax.plot(starts, [per_bin[s] for s in starts], marker="o", ms=3, lw=1, label=f"B = {budget}")
+    starts = sorted(achieved)
+    ax.plot(starts, [achieved[s] for s in starts], color="black", marker="s", lw=2.5, label="schedule")
+    ax.axhline(tau, color="black", ls="--", lw=1, label=f"τ = {tau}")
+    ax.set(xlabel="cached length (tokens, bin start)", ylabel="α tail (5th percentile)",
+           title=f"Acceptance-rate tail by length; schedule: {list(schedule.budgets)}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,79 @@
+"""KV budgets that grow with the cached length (Sparrow's dynamic sparsity schedule).
+
+`BudgetSchedule.budget(cached_len)` is the budget a compression uses when the cache has been fed
+`cached_len` tokens (prompt plus response so far). `FixedBudget` is the classic constant budget.
+`BinnedBudget` is a step function over length bins, as `sparserl calibrate` writes it:
+
+    # schedule.yaml
+    bin_size: 16          # cached-length bins [0, 16), [16, 32), ...
+    budgets: [40, 48, 56, 72, 80, 96]   # one per bin; the last holds for every longer length
+    tau: 0.86             # what it was calibrated for (information only)
+
+Budgets never shrink along a schedule (a smaller budget later would evict what an earlier bin
+decided to keep), so a file whose budgets decrease is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+class BudgetSchedule:
+    def budget(self, cached_len: int) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_budget(self) -> int:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FixedBudget(BudgetSchedule):
+    value: int
+
+    def budget(self, cached_len: int) -> int:
+        return self.value
+
+    @property
+    def max_budget(self) -> int:
+        return self.value
+
+
+@dataclass(frozen=True)
+class BinnedBudget(BudgetSchedule):
+    bin_size: int
+    budgets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.bin_size < 1 or not self.budgets or min(self.budgets) < 1:
+            raise ValueError(f"a schedule needs bin_size >= 1 and budgets >= 1, got {self.bin_size} and {self.budgets}")
+        if any(b < a for a, b in zip(self.budgets, self.budgets[1:])):
+            raise ValueError(f"schedule budgets must not decrease along the sequence, got {list(self.budgets)}")
+
+    def budget(self, cached_len: int) -> int:
+        return self.budgets[min(max(cached_len, 0) // self.bin_size, len(self.budgets) - 1)]
+
+    @property
+    def max_budget(self) -> int:
+        return self.budgets[-1]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> BinnedBudget:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f"--kv-schedule {path}: cannot read it ({error})") from None
+        if not isinstance(data, dict) or "bin_size" not in data or "budgets" not in data:
+            raise ValueError(f"--kv-schedule {path}: needs `bin_size` and a list `budgets` (see `sparserl calibrate`)")
+        try:
+            return cls(int(data["bin_size"]), tuple(int(b) for b in data["budgets"]))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"--kv-schedule {path}: {error}") from None
+
+    def to_yaml(self, path: str | Path, **info) -> None:
+        Path(path).write_text(yaml.safe_dump({"bin_size": self.bin_size, "budgets": list(self.budgets), **info},
+                                             sort_keys=False))
