@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .checkpoint import latest_checkpoint
 from .config import MODES, ConfigError, ExperimentConfig
-from .run_dir import RUN_FREE_FIELDS, config_differences, holds_a_run
+from .run_dir import RUN_FREE_FIELDS, config_differences, holds_a_run, make_output_dir
 from .evaluate import evaluate_policy
 from .metrics_log import METRICS_FILE, read_metrics
 from .rollout.engine import KVCompression
@@ -42,14 +42,7 @@ def run_compare(config: ExperimentConfig, modes: list[str], seeds: list[int]) ->
         raise ConfigError(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}")
     if not seeds or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds: give distinct integer seeds, e.g. 0,1,2 (got {seeds})")
-    out = Path(config.output.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a directory for the comparison")
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"--out {out}: cannot create the directory ({error.strerror}); choose a writable one") from None
+    out, created = make_output_dir(config.output.out)
     try:
         return _run_jobs(config, out, modes, seeds)
     except BaseException:

@@ -68,20 +68,29 @@ def holds_a_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("metrics.jsonl", "checkpoints", CONFIG_FILE))
 
 
+def make_output_dir(out: str | Path) -> tuple[Path, bool]:
+    """`--out` as a directory, created if missing: (its path, whether this call created it)."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path} is a file; give a directory (it is created if missing)")
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out {path}: cannot create the directory ({error.strerror}); "
+                          "choose a writable location") from None
+    return path, created
+
+
 def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: bool = False,
                  allow_config_change: bool = False) -> RunDir:
     from .checkpoint import latest_good_checkpoint
 
-    path = Path(config.output.out).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {path} is a file; give a directory for the run (it is created if missing)")
-    created = not path.exists()
+    path, created = make_output_dir(config.output.out)
     try:
-        path.mkdir(parents=True, exist_ok=True)
         handle = open(path / LOCK_FILE, "a+")
     except OSError as error:
-        raise ConfigError(f"--out {path}: cannot create the run directory there ({error.strerror}); "
-                          "choose a writable location") from None
+        raise ConfigError(f"--out {path}: cannot write there ({error.strerror}); choose a writable location") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
