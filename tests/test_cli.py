@@ -18,7 +18,7 @@ from sparserl import config as config_module
 from sparserl.cli import main
 from sparserl.evaluate import pass_at_k
 
-MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
+MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "sparrow")
 
 
 @pytest.fixture(autouse=True)

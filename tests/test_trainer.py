@@ -87,8 +87,15 @@ def test_naive_sparse_with_a_huge_budget_equals_dense(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
-    assert main(_args(tiny_model_dir, tmp_path / mode, 1, mode)) == 0
+    extra = []
+    if mode == "sparrow":  # scheduled rollouts: 8 tokens kept up to length 16, then 12
+        (tmp_path / "schedule.yaml").write_text("bin_size: 8\nbudgets: [8, 8, 12]\n")
+        extra = ["--kv-schedule", str(tmp_path / "schedule.yaml")]
+    assert main(_args(tiny_model_dir, tmp_path / mode, 1, mode, extra)) == 0
     record = read_metrics(tmp_path / mode / "metrics.jsonl")[-1]
+    if mode == "sparrow":
+        assert {k: v for k, v in record.items() if k.startswith("kv_budget_len_")} == {
+            "kv_budget_len_0": 8.0, "kv_budget_len_8": 8.0, "kv_budget_len_16": 12.0}
     for key in ("step", "reward_mean", "reward_std", "accuracy", "response_len_mean", "loss", "pg_loss",
                 "clip_frac", "kl", "grad_norm", "rollout_s", "recompute_s", "update_s", "tokens_per_s",
                 "xi_mean", "xi_min", "xi_q05", "logppl_sampler", "logppl_old", "kl_sampler_old", "veto_frac",
@@ -100,7 +107,7 @@ def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
         == (mode != "dense")
     sparse = mode != "dense"
     assert (record["kv_peak_bytes"] < record["kv_dense_bytes"]) == sparse
-    if mode in ("dense", "naive-sparse", "sparse-tis"):  # no rejection applied: trains on every token,
+    if mode in ("dense", "naive-sparse", "sparse-tis", "sparrow"):  # no rejection applied: trains on every token,
         assert record["kept_token_frac"] == 1.0  # while flagged_* still report what the filters would flag
         assert record["veto_frac"] == 0.0 and record["band_mask_frac"] == 0.0 and record["vetoed_sequences"] == 0
     if mode == "sparse-rl":  # the applied filters are the flagged ones

@@ -21,7 +21,7 @@ import yaml
 
 from .corrections import CorrectionConfig
 
-Mode = Literal["dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs"]
+Mode = Literal["dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "sparrow"]
 MODES: tuple[str, ...] = typing.get_args(Mode)
 
 
@@ -71,7 +71,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    mode: Mode = "dense"  # dense rollouts, or sparse ones with no, full or partial Sparse-RL corrections
+    mode: Mode = "dense"  # dense rollouts, sparse ones with no, full or partial Sparse-RL corrections, or sparrow (scheduled, TIS)
     steps: int = 80  # training steps (one rollout batch each)
     seed: int = 0  # prompts, sampling and held-out set all derive from it
     lr: float = 1e-4  # AdamW learning rate; tuned on the built-in experiment (1e-3 collapsed, 3e-4 stayed flat)
@@ -309,6 +309,8 @@ def validate(config: ExperimentConfig) -> None:
         if not ok:
             raise ConfigError(message)
     _validate_kv_policy(config.rollout)
+    if config.train.mode == "sparrow" and not config.rollout.kv_schedule:
+        raise ConfigError("--mode sparrow needs --kv-schedule FILE (write one with `sparserl calibrate`)")
     if config.rollout.kv_schedule:
         from .rollout.schedule import BinnedBudget
 

@@ -17,7 +17,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from .report import series  # noqa: E402
 
 MODE_COLOURS = {"dense": "#1f77b4", "naive-sparse": "#d62728", "sparse-rl": "#2ca02c",
-                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd"}
+                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd", "sparrow": "#8c564b"}
 PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "kv_memory.png", "rollout_time.png")
 
 

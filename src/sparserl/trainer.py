@@ -35,7 +35,7 @@ from .run_dir import Resume, open_run_dir
 from .tasks.base import reward_columns, walk_metrics
 from .tasks.registry import max_new_tokens, task_from_config
 
-SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs")
+SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "sparrow")
 LENGTH_BUCKETS = 4
 # What Sparse-RL's default filters would flag, logged under these names in every mode (whatever the
 # mode applies) so that the mismatch is comparable across modes; `veto_frac` etc. are what was applied.
@@ -48,7 +48,7 @@ def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
     off = dict(veto_threshold=None, band=None, is_mode="none", batch_normalize=False)
     if mode in ("dense", "naive-sparse"):
         return dataclasses.replace(base, **off)
-    if mode == "sparse-tis":
+    if mode in ("sparse-tis", "sparrow"):  # sparrow: the reference's importance weights only, for now
         return dataclasses.replace(base, veto_threshold=None, band=None)
     if mode == "sparse-rs":
         return dataclasses.replace(base, is_mode="none", batch_normalize=False)
@@ -311,7 +311,15 @@ class GRPOTrainer:
             "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
             "kv_compressions": kv.compressions,
             "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
+            **self._schedule_metrics(),
         }
+
+    def _schedule_metrics(self) -> dict[str, float]:
+        """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
+        schedule = self.engine.compression.schedule if self.engine.compression else None
+        if schedule is None:
+            return {}
+        return {f"kv_budget_len_{i * schedule.bin_size}": float(b) for i, b in enumerate(schedule.budgets)}
 
     def _length_edges(self) -> list[int]:
         top = self.max_new_tokens
