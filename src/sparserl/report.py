@@ -176,7 +176,9 @@ def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
 
 def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
     r = regime(runs)
-    return (f"Regime: KV budget {_setting(config, 'kv_budget')} ({_setting(config, 'kv_policy')}, window "
+    schedule = _setting(config, "kv_schedule", None)
+    budget = f"schedule {schedule}" if schedule else _setting(config, "kv_budget")
+    return (f"Regime: KV budget {budget} ({_setting(config, 'kv_policy')}, window "
             f"{_setting(config, 'kv_window')}, interval {_setting(config, 'kv_interval')}); step-0 greedy accuracy "
             f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
             f"peak KV bytes {cell(r['kv_peak_frac'])} of dense; KV tokens saved (mean over rollouts) "

@@ -1,0 +1,35 @@
+"""KV saved against final held-out accuracy, one point per mode and regime (mean over seeds, bars:
+min–max), from the study's run directories. Usage: python docs/results/pareto.py runs/study docs/results/pareto.png"""
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from sparserl.report import load  # noqa: E402
+
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+fig, ax = plt.subplots(figsize=(7, 4.5))
+for study in ("paper", "stress", "sparrow"):
+    if not (root / study / "compare.json").exists():
+        continue
+    _, runs = load(root / study)
+    for mode, seeds in runs.items():
+        if study != "paper" and mode == "dense":
+            continue
+        points = [(1 - s["kv_peak"] / s["kv_dense"], s["acc_dense"]) for s in seeds if s.get("acc_dense") is not None]
+        if not points:
+            continue
+        saved = [100 * p[0] for p in points]
+        acc = [100 * p[1] for p in points]
+        x, y = sum(saved) / len(saved), sum(acc) / len(acc)
+        ax.errorbar(x, y, yerr=[[y - min(acc)], [max(acc) - y]], fmt="o", capsize=3)
+        label = {"paper": "B 80", "stress": "B 56", "sparrow": "calibrated: 84"}[study]
+        ax.annotate(f"{mode} ({label})", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+ax.set(xlabel="peak KV bytes saved in training rollouts (%)", ylabel="final held-out accuracy, dense inference (%)",
+       title="KV saved vs accuracy (mean over 3 seeds, bars: min–max)")
+fig.tight_layout()
+fig.savefig(out, dpi=100)
