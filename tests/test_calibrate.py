@@ -39,3 +39,46 @@ def test_calibrate_then_eval_with_the_schedule(tmp_path, capsys):
     assert sparse["kv"]["schedule"] == schedule["budgets"]
     assert 0 <= sparse["alpha_tail"] <= sparse["alpha_mean"] <= 1 + 1e-5
     assert sparse["kv"]["kv_peak_bytes"] <= sparse["kv"]["kv_dense_bytes"]
+
+
+def test_adaptive_budget_rule_by_hand():
+    from sparserl.rollout.schedule import AdaptiveBudget
+
+    schedule = AdaptiveBudget(initial=40, bin_size=16, tau=0.86, step=8, floor=9)
+    # Bin 32 fails: every bin up to it grows (an early eviction broke it); new bins start at 40.
+    schedule.update({0: 1.0, 16: 0.99, 32: 0.5})
+    assert schedule.budgets == [48, 48, 48]
+    # Bin 48 (new) fails: all four grow.
+    schedule.update({16: 1.0, 48: 0.2})
+    assert schedule.budgets == [56, 56, 56, 56]
+    # Between τ and τ + margin: hold.
+    schedule.update({16: 0.88, 48: 0.95})
+    assert schedule.budgets == [56, 56, 56, 56]
+    # Clearly above everywhere: give back a notch, never below the floor.
+    schedule.update({16: 1.0, 48: 0.99})
+    assert schedule.budgets == [48, 48, 48, 48] and schedule.budget(10_000) == 48
+    tiny = AdaptiveBudget(initial=12, bin_size=16, tau=0.5, step=8, floor=9)
+    tiny.update({0: 1.0})
+    assert tiny.budgets == [9]
+
+
+def test_adaptive_training_logs_its_budgets_and_resumes_exactly(tiny_model_dir, tmp_path):
+    from sparserl.metrics_log import read_metrics
+
+    def args(out, steps, *extra):
+        return ["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", str(steps), "--mode",
+                "naive-sparse", "--kv-schedule", "adaptive", "--alpha-tau", "0.99", "--kv-budget", "10",
+                "--kv-window", "3", "--kv-interval", "3", "--alpha-bin-size", "8", "--difficulty", "4",
+                "--prompts-per-step", "4", "--group-size", "4", "--eval-every", "0", "--checkpoint-every", "2",
+                "--threads", "1", "--log-with", "none", *extra]
+
+    assert main(args(tmp_path / "straight", 4)) == 0
+    assert main(args(tmp_path / "resumed", 2)) == 0
+    assert main(args(tmp_path / "resumed", 4, "--resume")) == 0
+    drop = ("rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac")
+    straight, resumed = ([{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path / d / "metrics.jsonl")]
+                         for d in ("straight", "resumed"))
+    assert straight == resumed
+    budgets = [{k: v for k, v in r.items() if k.startswith("kv_budget_len_")} for r in straight]
+    assert budgets[0] == {"kv_budget_len_0": 10.0}
+    assert any(b != budgets[0] for b in budgets[1:])  # the random tiny model misses τ = 0.99: budgets move

@@ -21,7 +21,6 @@ from .config import MODES, ConfigError, ExperimentConfig
 from .run_dir import RUN_FREE_FIELDS, config_differences, holds_a_run, make_output_dir
 from .evaluate import evaluate_policy
 from .metrics_log import METRICS_FILE, read_metrics
-from .rollout.engine import KVCompression
 from .trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
@@ -97,7 +96,8 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
               "train_seconds": sum(r.get("step_s", 0.0) for r in records),
               "rollout_seconds": sum(r.get("rollout_s", 0.0) for r in records)}
     trainer.model.eval()
-    for inference, compression in (("dense", None), ("sparse", KVCompression.from_rollout_config(config.rollout))):
+    # The trainer's own compression: an adaptive schedule is evaluated with the budgets it trained to.
+    for inference, compression in (("dense", None), ("sparse", trainer.compression)):
         result[inference] = evaluate_policy(trainer.model, trainer.tokenizer, trainer.task, trainer.eval_examples,
                                             trainer.max_new_tokens, compression, samples=0,
                                             temperature=config.rollout.temperature, seed=config.train.seed,

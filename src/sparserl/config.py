@@ -59,8 +59,9 @@ class RolloutConfig:
     kv_budget: int = 80  # KV tokens kept per layer; 80 is the built-in experiment's paper regime, 56 its stress regime
     kv_window: int = 8  # most recent tokens always kept (the observation window)
     kv_interval: int = 8  # decode steps between compressions
-    kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`) that replaces kv_budget
+    kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`), or adaptive: kv_budget adjusted online to keep the α tail >= alpha_tau
     alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
+    alpha_tau: float = 0.86  # the α tail an adaptive schedule keeps
     kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
     kv_lambda: float = 0.1  # rkv: weight of importance against redundancy
     kv_similarity_threshold: float = 0.5  # rkv: key cosine similarity above which the older twin is redundant
@@ -280,6 +281,7 @@ def validate(config: ExperimentConfig) -> None:
          f"kv_budget ({config.rollout.kv_budget}) must exceed kv_window ({config.rollout.kv_window})"),
         (config.rollout.kv_interval >= 1, "kv_interval must be >= 1"),
         (config.rollout.alpha_bin_size >= 1, "alpha_bin_size must be >= 1"),
+        (0 < config.rollout.alpha_tau <= 1, "alpha_tau must be in (0, 1]"),
         (config.rollout.temperature > 0, "temperature must be > 0 for RL sampling"),
         (config.train.steps >= 0, "steps must be >= 0"),
         (config.train.lr > 0, "lr must be > 0"),
@@ -311,7 +313,7 @@ def validate(config: ExperimentConfig) -> None:
     _validate_kv_policy(config.rollout)
     if config.train.mode == "sparrow" and not config.rollout.kv_schedule:
         raise ConfigError("--mode sparrow needs --kv-schedule FILE (write one with `sparserl calibrate`)")
-    if config.rollout.kv_schedule:
+    if config.rollout.kv_schedule and config.rollout.kv_schedule != "adaptive":
         from .rollout.schedule import BinnedBudget
 
         try:

@@ -31,6 +31,7 @@ from .models import load_policy
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from .rollout.schedule import AdaptiveBudget
 from .run_dir import Resume, open_run_dir
 from .tasks.base import reward_columns, walk_metrics
 from .tasks.registry import max_new_tokens, task_from_config
@@ -100,6 +101,8 @@ class GRPOTrainer:
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.optimizer)
         self.compression = KVCompression.from_rollout_config(config.rollout)
+        if isinstance(self.compression.schedule, AdaptiveBudget) and self.state.kv_budgets:
+            self.compression.schedule.budgets = list(self.state.kv_budgets)
         sparse = config.train.mode in SPARSE_MODES
         self.engine = RolloutEngine(self.model, self.compression if sparse else None,
                                     record_evictions=False, record_distributions=sparse)
@@ -171,6 +174,7 @@ class GRPOTrainer:
         sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
                                   eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id)
+        budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
         batch = self.engine.generate(prompts, sampling, generator)
         texts = decode_responses(self.tokenizer, batch)
         completion_ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
@@ -198,6 +202,10 @@ class GRPOTrainer:
         acceptance = {} if batch.sampler_distribution is None and batch.sampler_topk is None else alpha_metrics(
             *alpha_points(rollout_acceptance(self.model, batch, cfg.rollout.temperature, mb), batch.response_mask,
                           batch.prompt_lengths), cfg.rollout.alpha_bin_size)
+        if isinstance(self.compression.schedule, AdaptiveBudget):  # the next step's budgets, from this step's tail
+            self.compression.schedule.update({int(k.rsplit("_", 1)[1]): v for k, v in acceptance.items()
+                                              if k.startswith("alpha_tail_len_")})
+            self.state.kv_budgets = list(self.compression.schedule.budgets)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
         # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
         flagged = corrections if self.corrections == cfg.correction else \
@@ -245,6 +253,7 @@ class GRPOTrainer:
                rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()).items()},
             **diagnostics,
             **acceptance,
+            **budgets_used,
             "rejected_token_frac": rejected,
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
             "starving_steps": self.state.starving_steps,
@@ -311,7 +320,6 @@ class GRPOTrainer:
             "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
             "kv_compressions": kv.compressions,
             "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
-            **self._schedule_metrics(),
         }
 
     def _schedule_metrics(self) -> dict[str, float]:

@@ -21,7 +21,7 @@ import torch
 from .attention import masked_attention
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
 from .kv_policies import POLICIES, KVPolicy, ScoringInputs, select_slots
-from .schedule import BinnedBudget, BudgetSchedule, FixedBudget
+from .schedule import AdaptiveBudget, BinnedBudget, BudgetSchedule, FixedBudget
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,11 @@ class KVCompression:
         options = (("lam", rollout.kv_lambda), ("similarity_threshold", rollout.kv_similarity_threshold),
                    ("kernel_size", rollout.kv_kernel_size), ("pooling", rollout.kv_pooling),
                    ("sinks", rollout.kv_sinks))
-        schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule else None
+        if rollout.kv_schedule == "adaptive":
+            schedule = AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
+                                      step=rollout.kv_interval, floor=rollout.kv_window + 1)
+        else:
+            schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule else None
         return cls(policy=rollout.kv_policy, budget=rollout.kv_budget, window=rollout.kv_window,
                    interval=rollout.kv_interval, per_head=rollout.kv_per_head, policy_options=options,
                    schedule=schedule)

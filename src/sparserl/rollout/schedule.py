@@ -77,3 +77,40 @@ class BinnedBudget(BudgetSchedule):
     def to_yaml(self, path: str | Path, **info) -> None:
         Path(path).write_text(yaml.safe_dump({"bin_size": self.bin_size, "budgets": list(self.budgets), **info},
                                              sort_keys=False))
+
+
+class AdaptiveBudget(BudgetSchedule):
+    """A binned schedule that training adjusts from each step's own α tail (`--kv-schedule adaptive`).
+
+    `update(tails)` takes {bin start: tail} of the step's rollouts. When a bin's tail fell below τ,
+    every bin up to it gains `step` tokens: under eviction a late failure comes from what earlier
+    compressions dropped, so raising that bin alone would not help. When every bin held τ + margin,
+    every bin gives back `step` tokens (never below `floor`). Budgets stay non-decreasing along the
+    sequence. The state is a plain list, saved in checkpoints.
+    """
+
+    def __init__(self, initial: int, bin_size: int, tau: float, step: int, floor: int, margin: float = 0.05):
+        self.bin_size, self.tau, self.step, self.floor, self.margin = bin_size, tau, step, floor, margin
+        self.budgets: list[int] = [initial]
+
+    def budget(self, cached_len: int) -> int:
+        return self.budgets[min(max(cached_len, 0) // self.bin_size, len(self.budgets) - 1)]
+
+    @property
+    def max_budget(self) -> int:
+        return max(self.budgets)
+
+    def update(self, tails: dict[int, float]) -> None:
+        if not tails:
+            return
+        last = max(tails) // self.bin_size
+        while len(self.budgets) <= last:  # bins seen for the first time start at the current last budget
+            self.budgets.append(self.budgets[-1])
+        failing = [start // self.bin_size for start, tail in tails.items() if tail < self.tau]
+        if failing:
+            for i in range(max(failing) + 1):
+                self.budgets[i] += self.step
+        elif all(tail >= self.tau + self.margin for tail in tails.values()):
+            self.budgets = [max(self.floor, b - self.step) for b in self.budgets]
+        for i in range(1, len(self.budgets)):  # non-decreasing along the sequence
+            self.budgets[i] = max(self.budgets[i], self.budgets[i - 1])
