@@ -13,7 +13,9 @@ from sparserl.report import load  # noqa: E402
 
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 fig, ax = plt.subplots(figsize=(7, 4.5))
-for study in ("paper", "stress", "sparrow"):
+LABELS = {"paper": "B 80", "stress": "B 56", "sparrow": "calibrated: 84", "adaptive56": "adaptive from 56",
+          "adaptive80": "adaptive from 80"}
+for study in LABELS:
     if not (root / study / "compare.json").exists():
         continue
     _, runs = load(root / study)
@@ -27,8 +29,7 @@ for study in ("paper", "stress", "sparrow"):
         acc = [100 * p[1] for p in points]
         x, y = sum(saved) / len(saved), sum(acc) / len(acc)
         ax.errorbar(x, y, yerr=[[y - min(acc)], [max(acc) - y]], fmt="o", capsize=3)
-        label = {"paper": "B 80", "stress": "B 56", "sparrow": "calibrated: 84"}[study]
-        ax.annotate(f"{mode} ({label})", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(f"{mode} ({LABELS[study]})", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
 ax.set(xlabel="peak KV bytes saved in training rollouts (%)", ylabel="final held-out accuracy, dense inference (%)",
        title="KV saved vs accuracy (mean over 3 seeds, bars: min–max)")
 fig.tight_layout()
