@@ -29,7 +29,8 @@ for study in LABELS:
         acc = [100 * p[1] for p in points]
         x, y = sum(saved) / len(saved), sum(acc) / len(acc)
         ax.errorbar(x, y, yerr=[[y - min(acc)], [max(acc) - y]], fmt="o", capsize=3)
-        ax.annotate(f"{mode} ({LABELS[study]})", (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        label = "dense" if mode == "dense" else f"{mode} ({LABELS[study]})"
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
 ax.set(xlabel="peak KV bytes saved in training rollouts (%)", ylabel="final held-out accuracy, dense inference (%)",
        title="KV saved vs accuracy (mean over 3 seeds, bars: min–max)")
 fig.tight_layout()
