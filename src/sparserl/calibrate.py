@@ -1,11 +1,19 @@
 """`sparserl calibrate`: the smallest KV budget per cached-length bin that keeps the α tail ≥ τ.
 
-Sparrow's calibration (SPEC §4). For each budget of a grid it samples rollouts of the current
-model on calibration prompts (the task's train split, so the held-out set stays untouched), scores
-every response token's acceptance rate α against the dense model, and takes the `quantile` (5th
-percentile) of α in each bin of cached length. A bin's budget is the smallest whose tail reaches
-τ; a bin no budget rescues gets the largest and is reported; budgets are then made
-non-decreasing along the sequence. It writes, into `--out`:
+Sparrow's calibration (SPEC §4). Rollouts of the current model on calibration prompts (the
+task's train split, so the held-out set stays untouched) are scored token by token with the
+acceptance rate α against the dense model, and the `quantile` (5th percentile) of α is taken in
+each bin of cached length.
+
+Eviction makes the order matter: a token evicted under an early, small budget is gone for every
+later bin, so a bin's tail depends on the budgets of all the bins before it. (Sparrow's own block
+sparsity keeps the full cache and has no such history.) The schedule is therefore chosen bin by
+bin along the sequence: for bin k, the smallest budget, no smaller than bin k−1's, such that with
+the budgets already chosen for bins < k in force and this one held for the rest of the sequence,
+the tail reaches τ in bin k *and every later bin*. Looking ahead is what stops a small early budget
+from evicting a token that a later bin needs (a first version chose bin by bin and passed bin k
+only to fail every later one). Bins that even the largest budget cannot rescue are reported. The
+tails of each fixed budget are measured too, for the plot. It writes, into `--out`:
 
 - `schedule.yaml`: the schedule, for `--kv-schedule`;
 - `tails.png`: the tail against cached length, one line per budget, with τ drawn;
@@ -22,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from .evaluate import complete, held_out
-from .mismatch import alpha_metrics, alpha_points, rollout_acceptance
+from .mismatch import bin_tails, rollout_alpha_metrics
 from .rollout.engine import KVCompression
 from .rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
 
@@ -35,10 +43,7 @@ def _tails(setup, config, examples, schedule: BudgetSchedule, samples: int, bin_
     done = complete(setup.model, setup.tokenizer, examples, setup.max_new_tokens, config.rollout.temperature,
                     compression, samples=samples, generator=torch.Generator().manual_seed(config.train.seed),
                     record_distributions=True)
-    points = [alpha_points(rollout_acceptance(setup.model, b, config.rollout.temperature), b.response_mask,
-                           b.prompt_lengths) for b in done.batches]
-    metrics = alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), bin_size, quantile)
-    return {int(k.rsplit("_", 1)[1]): v for k, v in metrics.items() if k.startswith("alpha_tail_len_")}
+    return bin_tails(rollout_alpha_metrics(setup.model, done.batches, config.rollout.temperature, bin_size, quantile))
 
 
 def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size: int, prompts: int,

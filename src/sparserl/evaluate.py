@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .mismatch import alpha_metrics, alpha_points, rollout_acceptance
+from .mismatch import rollout_alpha_metrics
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
 from .tasks.base import Example, Task, reward_columns, walk_metrics
 
@@ -168,10 +168,7 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
                         "schedule": None if compression.schedule is None else list(compression.schedule.budgets),
                         "window": compression.window, "interval": compression.interval,
                         **_kv_figures(greedy.batches)}
-        points = [alpha_points(rollout_acceptance(model, b, 0.0), b.response_mask, b.prompt_lengths)
-                  for b in greedy.batches]
-        result.update(alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]),
-                                    alpha_bin_size))
+        result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
                            generator=torch.Generator().manual_seed(seed), progress=label("sampled"))

@@ -109,9 +109,25 @@ def alpha_metrics(alpha: torch.Tensor, cached_lengths: torch.Tensor, bin_size: i
     for b in torch.unique(bins).tolist():
         values = alpha[bins == b]
         if values.numel() >= least:
-            per_bin[f"alpha_tail_len_{int(b) * bin_size}"] = float(torch.quantile(values, quantile))
+            per_bin[f"{TAIL_PREFIX}{int(b) * bin_size}"] = float(torch.quantile(values, quantile))
             counted += values.numel()
     out = {"alpha_mean": float(alpha.mean()), "alpha_tail_tokens": float(counted), **per_bin}
     if per_bin:
         out["alpha_tail"] = min(per_bin.values())
     return out
+
+
+TAIL_PREFIX = "alpha_tail_len_"
+
+
+def rollout_alpha_metrics(model, batches: list, temperature: float, bin_size: int, quantile: float = 0.05,
+                          micro_batch_size: int = 64) -> dict[str, float]:
+    """`alpha_metrics` over every response token of `batches` (sampled with `record_distributions`)."""
+    points = [alpha_points(rollout_acceptance(model, b, temperature, micro_batch_size), b.response_mask,
+                           b.prompt_lengths) for b in batches]
+    return alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), bin_size, quantile)
+
+
+def bin_tails(metrics: dict[str, float]) -> dict[int, float]:
+    """{bin start: tail} from the `alpha_tail_len_<start>` entries of `alpha_metrics`."""
+    return {int(k[len(TAIL_PREFIX):]): v for k, v in metrics.items() if k.startswith(TAIL_PREFIX)}

@@ -26,7 +26,7 @@ from .corrections import CorrectionConfig, compute_corrections, rejection_by_len
 from .evaluate import decode_responses, greedy_scores
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
-from .mismatch import alpha_metrics, alpha_points, rollout_acceptance
+from .mismatch import bin_tails, rollout_alpha_metrics
 from .models import load_policy
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
@@ -199,12 +199,11 @@ class GRPOTrainer:
         logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
                     if self.reference is not None else None)
         # α needs the sampler's whole distributions and the pre-update weights.
-        acceptance = {} if batch.sampler_distribution is None and batch.sampler_topk is None else alpha_metrics(
-            *alpha_points(rollout_acceptance(self.model, batch, cfg.rollout.temperature, mb), batch.response_mask,
-                          batch.prompt_lengths), cfg.rollout.alpha_bin_size)
+        acceptance = {} if batch.sampler_distribution is None and batch.sampler_topk is None else \
+            rollout_alpha_metrics(self.model, [batch], cfg.rollout.temperature, cfg.rollout.alpha_bin_size,
+                                  micro_batch_size=mb)
         if isinstance(self.compression.schedule, AdaptiveBudget):  # the next step's budgets, from this step's tail
-            self.compression.schedule.update({int(k.rsplit("_", 1)[1]): v for k, v in acceptance.items()
-                                              if k.startswith("alpha_tail_len_")})
+            self.compression.schedule.update(bin_tails(acceptance))
             self.state.kv_budgets = list(self.compression.schedule.budgets)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
         # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
