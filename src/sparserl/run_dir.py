@@ -106,9 +106,7 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
     run = RunDir(path, None, handle, created)
     try:
         if overwrite and holds_a_run(path):
-            for child in path.iterdir():
-                if child.name != LOCK_FILE:
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            _empty(path)
         checkpoint = latest_good_checkpoint(path) if resume != "never" else None
         if resume == "never" and holds_a_run(path):
             raise ConfigError(f"--out {path} already holds a run; add --resume to continue it, or --overwrite "
@@ -119,15 +117,20 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
         if checkpoint is not None:
             _check_config(path, config, allow_config_change)
         elif holds_a_run(path):  # --resume auto without a checkpoint: start again from nothing
-            for child in path.iterdir():
-                if child.name != LOCK_FILE:
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+            _empty(path)
         run.resume_checkpoint = checkpoint
         save_config(config, path / CONFIG_FILE)
     except BaseException:
         run.release(failed=True)
         raise
     return run
+
+
+def _empty(path: Path) -> None:
+    """Delete everything in a run directory but the lock this process holds."""
+    for child in path.iterdir():
+        if child.name != LOCK_FILE:
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def _check_config(path: Path, config: ExperimentConfig, allow_change: bool) -> None:
