@@ -82,3 +82,34 @@ def test_adaptive_training_logs_its_budgets_and_resumes_exactly(tiny_model_dir, 
     budgets = [{k: v for k, v in r.items() if k.startswith("kv_budget_len_")} for r in straight]
     assert budgets[0] == {"kv_budget_len_0": 10.0}
     assert any(b != budgets[0] for b in budgets[1:])  # the random tiny model misses τ = 0.99: budgets move
+
+
+def test_recalibration_during_training_sets_the_schedule_and_resumes_exactly(tiny_model_dir, tmp_path):
+    from sparserl.metrics_log import read_metrics
+
+    def args(out, steps, tau, *extra):
+        return ["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", str(steps), "--mode",
+                "naive-sparse", "--recalibrate-every", "2", "--calibration-budgets", "6,10,40", "--alpha-tau", tau,
+                "--calibration-prompts", "2", "--calibration-samples", "2", "--kv-budget", "10", "--kv-window", "3",
+                "--kv-interval", "3", "--alpha-bin-size", "8", "--difficulty", "4", "--prompts-per-step", "4",
+                "--group-size", "4", "--eval-every", "0", "--checkpoint-every", "1", "--threads", "1",
+                "--log-with", "none", *extra]
+
+    # Any tail passes a vanishing τ: every bin gets the smallest budget, from step 1 on.
+    assert main(args(tmp_path / "loose", 1, "1e-9")) == 0
+    record = read_metrics(tmp_path / "loose" / "metrics.jsonl")[-1]
+    assert record["recalibrated"] == 1
+    budgets = {k: v for k, v in record.items() if k.startswith("kv_budget_len_")}
+    assert budgets and set(budgets.values()) == {6.0}
+    # Recalibrated at steps 1 and 3; a run resumed after step 3 keeps step 3's schedule for step 4.
+    assert main(args(tmp_path / "straight", 4, "0.99")) == 0
+    assert main(args(tmp_path / "resumed", 3, "0.99")) == 0
+    assert main(args(tmp_path / "resumed", 4, "0.99", "--resume")) == 0
+    drop = ("rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac", "recalibrate_s")
+    straight, resumed = ([{k: v for k, v in r.items() if k not in drop} for r in read_metrics(tmp_path / d / "metrics.jsonl")]
+                         for d in ("straight", "resumed"))
+    assert straight == resumed
+    assert [r.get("recalibrated", 0) for r in straight] == [1, 0, 1, 0]
+    with pytest.raises(ValueError, match="choose one"):
+        from sparserl.config import load_config
+        load_config(overrides={"mode": "naive-sparse", "recalibrate_every": 2, "kv_schedule": "adaptive"})

@@ -18,7 +18,9 @@ from sparserl import config as config_module
 from sparserl.cli import main
 from sparserl.evaluate import pass_at_k
 
-MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "sparrow")
+MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "geo-rs", "k3-rs", "seq-mask-tis",
+         "prefix-veto-tis", "sparrow")
+CORRECTION_FIELDS = {f.name for f in dataclasses.fields(config_module.CorrectionConfig)}
 
 
 @pytest.fixture(autouse=True)
@@ -71,17 +73,19 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
         flag = "--" + name.replace("_", "-")
         assert flag in entries, f"{flag} missing from train --help"
         shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
+        if name in CORRECTION_FIELDS:  # the mode's preset sets them
+            shown = "set by --mode"
         assert f"(default: {shown})" in entries[flag], entries[flag]
         # A one-line description before the default, not just the default.
         description = entries[flag].split(None, 2)[2].split("(default:")[0].strip()
         assert len(description) > 8, entries[flag]
     assert "INT" in entries["--kv-budget"] and "(default: 80)" in entries["--kv-budget"]
-    assert "(default: 0.0001)" in entries["--veto-threshold"] and "FLOAT|none" in entries["--veto-threshold"]
+    assert "(default: set by --mode)" in entries["--veto-threshold"] and "FLOAT|none" in entries["--veto-threshold"]
     assert "{seq-mean-token-mean,token-mean}" in entries["--loss-agg"]
     assert "(default: seq-mean-token-mean)" in entries["--loss-agg"]
-    assert "{" + ",".join(MODES) + "}" in entries["--mode"]
+    assert "{" + ",".join(MODES) + "}|FILE.yaml" in entries["--mode"]
     assert "(default: dense)" in entries["--mode"]
-    assert "(default: 0.5,1.5)" in entries["--band"] and "LOW,HIGH|none" in entries["--band"]
+    assert "(default: set by --mode)" in entries["--band"] and "LOW,HIGH|none" in entries["--band"]
     assert "{h2o,pyramidkv,rkv,snapkv,streamingllm}" in entries["--kv-policy"]
 
 

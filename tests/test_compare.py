@@ -17,9 +17,14 @@ def _args(model_dir, out, modes):
 
 def test_compare_runs_every_mode_and_writes_the_report(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "cmp"
-    modes = "dense,naive-sparse,sparse-rl,sparse-tis,sparse-rs"
-    assert main(_args(tiny_model_dir, out, modes)) == 0
+    preset = tmp_path / "my-geo.yaml"  # a user's preset runs next to the built-in ones, under its own name
+    preset.write_text("base: geo-rs\ncorrection: {seq_geo_bounds: [0.5, 2.0]}\n")
+    assert main(_args(tiny_model_dir, out, f"dense,naive-sparse,sparse-rl,sparse-tis,{preset}")) == 0
+    modes = "dense,naive-sparse,sparse-rl,sparse-tis,my-geo"
     printed = capsys.readouterr().out
+    saved = (out / "my-geo" / "seed1" / "config.yaml").read_text()
+    assert "seq_geo_bounds:\n  - 0.5\n  - 2.0" in saved and "veto_threshold: 0.0001" in saved
+    assert "veto_threshold: null" in (out / "sparse-tis" / "seed1" / "config.yaml").read_text()
     for mode in modes.split(","):
         final = json.loads((out / mode / "seed1" / "final_eval.json").read_text())
         assert final["steps"] == 2

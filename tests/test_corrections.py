@@ -34,23 +34,40 @@ def reference(old, smp, mask, cfg: CorrectionConfig):
     cl = [[min(max(lr[i][t], -20.0), 20.0) for t in range(T)] for i in range(B)]
     xi = [[math.exp(cl[i][t]) for t in range(T)] for i in range(B)]
 
-    seq_keep = []
+    n_of = [sum(1 for t in range(T) if mask[i][t]) for i in range(B)]
+    removed = {}  # filter -> set of (i, t) response tokens it removes on its own
+    if cfg.veto_threshold is not None:
+        name = "prefix_veto" if cfg.veto_scope == "prefix" else "veto"
+        removed[name] = set()
+        for i in range(B):
+            hits = [t for t in range(T) if mask[i][t] and lr[i][t] < math.log(cfg.veto_threshold)]
+            if hits:
+                start = hits[0] if name == "prefix_veto" else 0
+                removed[name] |= {(i, t) for t in range(start, T) if mask[i][t]}
+    seq_stats = {"geo": [], "k3": [], "max_log": []}
     for i in range(B):
-        vetoed = False
-        if cfg.veto_threshold is not None:
-            for t in range(T):
-                if mask[i][t] and lr[i][t] < math.log(cfg.veto_threshold):
-                    vetoed = True
-        seq_keep.append(not vetoed)
-
-    keep = [[0.0] * T for _ in range(B)]
+        toks = [t for t in range(T) if mask[i][t]]
+        n = max(len(toks), 1)
+        seq_stats["geo"].append(math.exp(sum(cl[i][t] for t in toks) / n))
+        seq_stats["k3"].append(sum(xi[i][t] - 1 - cl[i][t] for t in toks) / n)
+        seq_stats["max_log"].append(max((abs(lr[i][t]) for t in toks), default=0.0))
+    bounds = {"geo": cfg.seq_geo_bounds,
+              "k3": None if cfg.seq_k3_max is None else (0.0, cfg.seq_k3_max),
+              "max_log": None if cfg.seq_log_ratio_max is None else (0.0, cfg.seq_log_ratio_max)}
+    for name, b in bounds.items():
+        if b is not None:
+            removed[name] = {(i, t) for i in range(B) for t in range(T) if mask[i][t]
+                             and not (b[0] <= seq_stats[name][i] <= b[1])}
     in_band = [[True] * T for _ in range(B)]
-    for i in range(B):
-        for t in range(T):
-            if cfg.band is not None:
+    if cfg.band is not None:
+        for i in range(B):
+            for t in range(T):
                 in_band[i][t] = cfg.band[0] <= xi[i][t] <= cfg.band[1]
-            if mask[i][t] and seq_keep[i] and in_band[i][t]:
-                keep[i][t] = 1.0
+        removed["band"] = {(i, t) for i in range(B) for t in range(T) if mask[i][t] and not in_band[i][t]}
+    whole = set().union(*(removed[k] for k in ("veto", "geo", "k3", "max_log") if k in removed))
+    seq_keep = [not any((i, t) in whole for t in range(T)) for i in range(B)]
+    gone = set().union(*removed.values()) if removed else set()
+    keep = [[1.0 if mask[i][t] and (i, t) not in gone else 0.0 for t in range(T)] for i in range(B)]
 
     weights = [[0.0] * T for _ in range(B)]
     for i in range(B):
@@ -80,12 +97,22 @@ def reference(old, smp, mask, cfg: CorrectionConfig):
             weights[i][t] = w
 
     resp = [(i, t) for i in range(B) for t in range(T) if mask[i][t]]
+    m = {"is_batch_norm_factor": 1.0}
     if cfg.batch_normalize and resp:
         mean = sum(weights[i][t] for i, t in resp) / len(resp)
         if mean > 0:
             weights = [[w / mean for w in row] for row in weights]
+            m["is_batch_norm_factor"] = mean
 
-    m = {}
+    with_resp = [i for i in range(B) if any(mask[i])]
+    for name, tokens in removed.items():
+        m[f"applied_{name}_token_frac"] = len(tokens) / max(len(resp), 1)
+        m[f"applied_{name}_seq_frac"] = len({i for i, _ in tokens}) / max(len(with_resp), 1)
+    for name, values in seq_stats.items():
+        ordered = sorted(values[i] for i in with_resp)
+        for q in (0.05, 0.5, 0.95):
+            if ordered:
+                m[f"raw_seq_{name}_q{round(q * 100):02d}"] = _ref_quantile(ordered, q)
     if resp:
         xs = sorted(xi[i][t] for i, t in resp)
         m["xi_mean"] = sum(xs) / len(xs)
@@ -96,10 +123,9 @@ def reference(old, smp, mask, cfg: CorrectionConfig):
         m["logppl_old"] = -sum(old[i][t] for i, t in resp) / len(resp)
         m["kl_sampler_old"] = sum(smp[i][t] - old[i][t] for i, t in resp) / len(resp)
         m["kl_k3_sampler_old"] = sum(xi[i][t] - 1 - math.log(xi[i][t]) for i, t in resp) / len(resp)
-    with_resp = [i for i in range(B) if any(mask[i])]
-    vetoed = [i for i in with_resp if not seq_keep[i]]
-    m["vetoed_sequences"] = float(len(vetoed))
-    m["veto_frac"] = len(vetoed) / len(with_resp) if with_resp else 0.0
+    rejected = [i for i in with_resp if not seq_keep[i]]
+    m["rejected_sequences"] = float(len(rejected))
+    m["rejected_seq_frac"] = len(rejected) / len(with_resp) if with_resp else 0.0
     alive = [(i, t) for i, t in resp if seq_keep[i]]
     m["band_mask_frac"] = sum(1 for i, t in alive if not in_band[i][t]) / len(alive) if alive else 0.0
     kept = [(i, t) for i, t in resp if keep[i][t]]
@@ -178,7 +204,7 @@ def test_hand_worked_example():
                 [0.48484750535857507, 0.0, 0.0]]
     torch.testing.assert_close(out.weights, torch.tensor(expected, dtype=torch.float64), rtol=1e-9, atol=1e-15)
     m = out.metrics
-    assert m["vetoed_sequences"] == 1 and m["veto_frac"] == pytest.approx(1 / 3)
+    assert m["rejected_sequences"] == 1 and m["rejected_seq_frac"] == pytest.approx(1 / 3)
     assert m["band_mask_frac"] == pytest.approx(2 / 4)  # 2 of the 4 response tokens of seqs 0 and 2
     assert m["kept_token_frac"] == pytest.approx(2 / 6)
     assert m["ess"] == pytest.approx(1.8**2 / (2 * (1.0**2 + 0.8**2)))  # kept ξ 1.0, 0.8 = 0.98780
@@ -228,13 +254,13 @@ def test_veto_counts_vetoed_not_kept():
     smp[0, 1] = smp[2, 3] = smp[4, 0] = 15.0  # log-ratio -15 < log(1e-4) ≈ -9.21
     mask = torch.ones(5, 4)
     out = compute_corrections(old, smp, mask, CorrectionConfig())
-    assert out.metrics["veto_frac"] == pytest.approx(0.6)
-    assert out.metrics["vetoed_sequences"] == 3
+    assert out.metrics["rejected_seq_frac"] == pytest.approx(0.6)
+    assert out.metrics["rejected_sequences"] == 3
     assert out.seq_keep.tolist() == [False, True, False, True, False]
     # A row without response tokens can't be vetoed and does not enter the denominator.
     pad = lambda x: torch.cat([x, torch.zeros(1, 4)])  # noqa: E731
     out2 = compute_corrections(pad(old), pad(smp), pad(mask), CorrectionConfig())
-    assert out2.metrics["veto_frac"] == pytest.approx(0.6) and out2.seq_keep[-1]
+    assert out2.metrics["rejected_seq_frac"] == pytest.approx(0.6) and out2.seq_keep[-1]
 
 
 def test_everything_vetoed():
@@ -245,7 +271,7 @@ def test_everything_vetoed():
     assert out.keep_mask.sum() == 0
     assert not out.seq_keep.any()
     assert all(math.isfinite(v) for v in out.metrics.values())
-    assert out.metrics["veto_frac"] == 1.0 and out.metrics["ess"] == 1.0
+    assert out.metrics["rejected_seq_frac"] == 1.0 and out.metrics["ess"] == 1.0
     assert torch.isfinite(out.weights).all()
 
 
@@ -257,7 +283,7 @@ def test_zero_response_tokens(shape, mode, level):
     assert out.weights.shape == shape and out.keep_mask.shape == shape and out.seq_keep.shape == shape[:1]
     assert out.weights.sum() == 0 and out.keep_mask.sum() == 0
     assert all(math.isfinite(v) for v in out.metrics.values())
-    assert out.metrics["veto_frac"] == 0.0 and out.metrics["kept_token_frac"] == 0.0
+    assert out.metrics["rejected_seq_frac"] == 0.0 and out.metrics["kept_token_frac"] == 0.0
 
 
 def test_everything_band_rejected_and_mask_mode_zero_weights():
@@ -329,3 +355,68 @@ def test_random_fuzz_against_reference():
         cfg = CorrectionConfig(is_mode=rng.choice(MODES), is_level=rng.choice(LEVELS),
                                batch_normalize=rng.random() < 0.5)
         _check_against_reference(*_random_batch(100 + seed, B=rng.randint(1, 5), T=rng.randint(1, 12)), cfg)
+
+
+FILTER_CONFIGS = [
+    CorrectionConfig.geo_rs(), CorrectionConfig.k3_rs(), CorrectionConfig.seq_mask_tis(),
+    CorrectionConfig.prefix_veto_tis(), CorrectionConfig.sparse_rs(), CorrectionConfig.sparse_tis(),
+    CorrectionConfig(veto_threshold=None, band=None, seq_log_ratio_max=2.5, is_mode="none"),
+    CorrectionConfig(veto_threshold=1e-3, veto_scope="prefix", band=(0.6, 1.8), seq_geo_bounds=(0.9, 1.1),
+                     seq_k3_max=0.1, seq_log_ratio_max=4.0, is_level="geometric"),
+    CorrectionConfig(band=None, seq_geo_bounds=(0.97, 1.03), is_mode="clip", is_cap=2.0),
+]
+
+
+@pytest.mark.parametrize("cfg", FILTER_CONFIGS, ids=lambda c: repr(c)[17:80])
+def test_filters_match_brute_force(cfg):
+    for seed in range(4):
+        _check_against_reference(*_random_batch(200 + seed, B=8, T=11), cfg)
+    _check_against_reference(*_extreme_batch(), cfg)
+
+
+def test_prefix_veto_hand_worked():
+    # log ξ per token; -12 < log 1e-4 ≈ -9.21 trips the veto.
+    lr = [[0.1, -12.0, 0.2, 0.0],   # cut from token 1: tokens 0 kept, 1..3 masked
+          [0.0, 0.0, 0.0, -12.0],   # only the last token masked
+          [-12.0, 0.0, 0.0, 0.0],   # everything masked, like a sequence veto
+          [0.0, 0.0, 0.0, 0.0]]
+    old = torch.tensor(lr, dtype=torch.float64)
+    out = compute_corrections(old, torch.zeros_like(old), torch.ones_like(old),
+                              CorrectionConfig(veto_threshold=1e-4, veto_scope="prefix", band=None, is_mode="none",
+                                               batch_normalize=False))
+    assert out.keep_mask.tolist() == [[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert out.seq_keep.tolist() == [True, True, True, True]  # a prefix veto removes no sequence whole
+    assert out.metrics["applied_prefix_veto_token_frac"] == pytest.approx(8 / 16)
+    assert out.metrics["applied_prefix_veto_seq_frac"] == pytest.approx(3 / 4)
+    sequence = compute_corrections(old, torch.zeros_like(old), torch.ones_like(old),
+                                   CorrectionConfig(band=None, is_mode="none", batch_normalize=False))
+    assert sequence.keep_mask.sum() == 4 and sequence.metrics["applied_veto_token_frac"] == pytest.approx(12 / 16)
+
+
+def test_sequence_filters_hand_worked():
+    # Two sequences of 2 tokens: log ξ (0.2, -0.2) has geometric mean 1 but k3 and max |log ξ| > 0;
+    # (0.3, 0.3) has geometric mean e^0.3 = 1.35.
+    old = torch.tensor([[0.2, -0.2], [0.3, 0.3]], dtype=torch.float64)
+    smp, mask = torch.zeros_like(old), torch.ones_like(old)
+    base = dict(veto_threshold=None, band=None, is_mode="none", batch_normalize=False)
+    geo = compute_corrections(old, smp, mask, CorrectionConfig(**base, seq_geo_bounds=(0.9, 1.1)))
+    assert geo.seq_keep.tolist() == [True, False]
+    k3_first = (math.exp(0.2) - 1.2 + math.exp(-0.2) - 0.8) / 2  # 0.02013
+    k3_second = math.exp(0.3) - 1.3  # 0.04986
+    k3 = compute_corrections(old, smp, mask, CorrectionConfig(**base, seq_k3_max=0.03))
+    assert k3.seq_keep.tolist() == [True, False] and k3_first < 0.03 < k3_second
+    maxlog = compute_corrections(old, smp, mask, CorrectionConfig(**base, seq_log_ratio_max=0.25))
+    assert maxlog.seq_keep.tolist() == [True, False]
+    assert geo.metrics["raw_seq_k3_q05"] == pytest.approx(k3_first + 0.05 * (k3_second - k3_first))
+
+
+def test_random_filter_fuzz_against_reference():
+    rng = random.Random(1)
+    maybe = lambda value: value if rng.random() < 0.5 else None  # noqa: E731
+    for seed in range(12):
+        low = rng.uniform(0.5, 1.0)
+        cfg = CorrectionConfig(veto_threshold=maybe(10 ** rng.uniform(-6, -1)), veto_scope=rng.choice(("sequence", "prefix")),
+                               band=maybe((low, rng.uniform(1.0, 2.0))), seq_geo_bounds=maybe((low, 1 / low)),
+                               seq_k3_max=maybe(rng.uniform(0, 0.5)), seq_log_ratio_max=maybe(rng.uniform(0.5, 10)),
+                               is_mode=rng.choice(MODES), is_level=rng.choice(LEVELS), batch_normalize=rng.random() < 0.5)
+        _check_against_reference(*_random_batch(300 + seed, B=rng.randint(1, 7), T=rng.randint(1, 12)), cfg)

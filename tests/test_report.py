@@ -18,7 +18,7 @@ def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: fl
               "response_len_mean": 40.0 + step, "rollout_s": 2.0, "step_s": 5.0,
               "kv_peak_bytes": int(1.6 * MIB), "kv_dense_bytes": 4 * MIB, "kv_peak_frac": 0.4, "kv_kept_frac": kept,
               "xi_mean": 1.0, "xi_min": 0.01 * step, "xi_q01": 0.5, "kl_sampler_old": 0.02 * step,
-              "veto_frac": vetoed / 8, "vetoed_sequences": vetoed, "flagged_veto_frac": veto_flagged,
+              "rejected_seq_frac": vetoed / 8, "rejected_token_frac": vetoed / 16, "flagged_veto_frac": veto_flagged,
               "flagged_band_frac": 0.1, "ess": 0.9, "walk_exact": reward, "skipped": 0, "skipped_steps": 0,
               "flagged_veto_frac_len_0_16": 0.0, "flagged_veto_frac_len_16_inf": veto_flagged * 2}
     record.update(extra)
@@ -85,8 +85,8 @@ def test_report_table_regime_and_verdicts(tmp_path):
     assert rows["sparse-rl"][2] == "79.0% (79.0–79.0)"  # exact walks from final_eval
     assert rows["sparse-rl"][4] == "45.0% (40.0–50.0)"
     assert rows["sparse-rl"][6] == "4.5 (4.0–5.0)"
-    assert rows["sparse-rl"][8] == "2.00 (2.00–2.00)"
-    assert rows["naive-sparse"][8] == "—"  # vetoes nothing: no number to show
+    assert rows["sparse-rl"][8] == "12.5% (12.5–12.5) / 25.0% (25.0–25.0)"  # 2 of 8 sequences, 1/16 tokens each
+    assert rows["naive-sparse"][8] == "—"  # rejects nothing: no number to show
     assert rows["sparse-rs (not run)"] == ["—"] * 10
     verdicts = text.split("## Verdicts")[1]
     # naive-sparse: 0.5 -> 0.2 collapsed, 0.5 -> 0.3 degraded: the seeds disagree.
@@ -121,3 +121,19 @@ def test_incomplete_and_missing_runs(tmp_path):
                                                  (0.5, 0.47, "held"), (0.5, 0.56, "improved")])
 def test_classify_trajectory(start, final, label):
     assert classify_trajectory(start, final) == label
+
+
+def test_a_scheduled_mode_gets_its_budget_plot(tmp_path):
+    from sparserl.report_plots import SCHEDULE_PLOT
+
+    out = _compare_dir(tmp_path)
+    assert SCHEDULE_PLOT not in write_report(out).read_text() and not (out / SCHEDULE_PLOT).exists()
+    meta = json.loads((out / "compare.json").read_text())
+    (out / "compare.json").write_text(json.dumps({**meta, "modes": meta["modes"] + ["sparrow"]}))
+    for seed in (0, 1):
+        run = out / "sparrow" / f"seed{seed}"
+        run.mkdir(parents=True)
+        steps = [_step(s, 0.5, 0.6, 0.0, 0.1, kv_budget_len_0=40.0 + 8 * s, kv_budget_len_16=56.0) for s in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    assert f"![{SCHEDULE_PLOT}]({SCHEDULE_PLOT})" in write_report(out).read_text()
+    assert (out / SCHEDULE_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

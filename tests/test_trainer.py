@@ -98,8 +98,9 @@ def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
             "kv_budget_len_0": 8.0, "kv_budget_len_8": 8.0, "kv_budget_len_16": 12.0}
     for key in ("step", "reward_mean", "reward_std", "accuracy", "response_len_mean", "loss", "pg_loss",
                 "clip_frac", "kl", "grad_norm", "rollout_s", "recompute_s", "update_s", "tokens_per_s",
-                "xi_mean", "xi_min", "xi_q05", "logppl_sampler", "logppl_old", "kl_sampler_old", "veto_frac",
-                "band_mask_frac", "flagged_veto_frac", "flagged_band_frac", "ess", "kv_peak_bytes",
+                "xi_mean", "xi_min", "xi_q05", "logppl_sampler", "logppl_old", "kl_sampler_old", "rejected_seq_frac",
+                "band_mask_frac", "flagged_veto_frac", "is_batch_norm_factor", "kept_advantage_sum",
+                "raw_seq_geo_q05", "raw_seq_k3_q95", "raw_seq_max_log_q95", "flagged_band_frac", "ess", "kv_peak_bytes",
                 "kv_dense_bytes", "kv_kept_tokens_mean", "skipped_steps", "eval_accuracy_dense", "walk_exact",
                 "eval_walk_exact_dense"):
         assert key in record, key
@@ -107,11 +108,17 @@ def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
         == (mode != "dense")
     sparse = mode != "dense"
     assert (record["kv_peak_bytes"] < record["kv_dense_bytes"]) == sparse
-    if mode in ("dense", "naive-sparse", "sparse-tis", "sparrow"):  # no rejection applied: trains on every token,
+    filters = {"sparse-rl": {"veto", "band"}, "sparse-rs": {"veto", "band"}, "geo-rs": {"veto", "geo"},
+               "k3-rs": {"k3"}, "seq-mask-tis": {"geo"}, "prefix-veto-tis": {"prefix_veto"}}.get(mode, set())
+    # Each applied filter reports what it removes, and nothing else does.
+    assert {k[len("applied_"):-len("_token_frac")] for k in record if k.startswith("applied_")
+            and k.endswith("_token_frac")} == filters
+    assert all(f"applied_{name}_seq_frac" in record for name in filters)
+    if not filters:  # no rejection applied: trains on every token,
         assert record["kept_token_frac"] == 1.0  # while flagged_* still report what the filters would flag
-        assert record["veto_frac"] == 0.0 and record["band_mask_frac"] == 0.0 and record["vetoed_sequences"] == 0
+        assert record["rejected_seq_frac"] == 0.0 and record["band_mask_frac"] == 0.0
     if mode == "sparse-rl":  # the applied filters are the flagged ones
-        assert record["veto_frac"] == record["flagged_veto_frac"]
+        assert record["rejected_seq_frac"] == record["flagged_veto_frac"] == record["applied_veto_seq_frac"]
         assert record["band_mask_frac"] == record["flagged_band_frac"]
     assert (tmp_path / mode / "checkpoints" / "step_000001" / "policy" / "model.safetensors").exists()
 
@@ -158,13 +165,69 @@ def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, t
 
 
 def test_kept_vs_vetoed_diagnostics_by_hand():
-    from sparserl.trainer import _flagged_vs_kept
+    from sparserl.trainer import _kept_vs_rejected
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     lengths = torch.tensor([10, 20, 30, 40])
     keep = torch.tensor([True, True, False, False])
-    assert _flagged_vs_kept(rewards, lengths, keep) == {
-        "reward_kept_mean": 0.5, "response_len_kept_mean": 15.0,
-        "reward_vetoed_mean": 0.5, "response_len_vetoed_mean": 35.0}
-    assert _flagged_vs_kept(rewards, lengths, torch.ones(4, dtype=torch.bool)) == {
+    assert _kept_vs_rejected(rewards, lengths, keep, "flagged_", "vetoed") == {
+        "flagged_reward_kept_mean": 0.5, "flagged_response_len_kept_mean": 15.0,
+        "flagged_reward_vetoed_mean": 0.5, "flagged_response_len_vetoed_mean": 35.0}
+    assert _kept_vs_rejected(rewards, lengths, torch.ones(4, dtype=torch.bool), "", "rejected") == {
         "reward_kept_mean": 0.5, "response_len_kept_mean": 25.0}
+
+
+def test_kept_advantages_by_hand():
+    from sparserl.trainer import _kept_advantages
+
+    # Group advantages (+1, -1, +1, -1) sum to 0; the filters drop row 1 entirely and half of row 2.
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    keep = torch.tensor([[1, 1], [0, 0], [1, 0], [1, 1]], dtype=torch.float32)
+    out = _kept_advantages(advantages, keep)
+    assert out["kept_advantage_sum"] == 1.0  # +1 +1 -1: a net push up
+    assert out["kept_advantage_mean"] == pytest.approx(1 / 3)
+    assert out["kept_advantage_token_mean"] == pytest.approx((2 + 1 - 2) / 5)
+
+
+def test_all_rejected_for_k_steps_in_a_row_is_an_error(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "starved"
+    with pytest.warns(UserWarning, match="outside the range"):
+        code = main(_args(tiny_model_dir, out, 5, "sparse-rl", ["--band", "2.0,3.0", "--max-rejected-steps", "2"]))
+    assert code != 0
+    message = capsys.readouterr().err
+    assert "rejected every response token for 2 steps in a row" in message and "--kv-budget" in message
+    assert [r["skipped"] for r in read_metrics(out / "metrics.jsonl")[1:]] == [1]  # step 2 raised before logging
+
+
+def test_rejected_rows_leave_the_baseline_when_asked(tiny_model_dir, tmp_path):
+    # Step 1's rollouts are the same in every run (same seed and weights): read the median k3 of the
+    # sequences, then filter at it, so that about half the sequences are removed whole.
+    main(_args(tiny_model_dir, tmp_path / "probe", 1, "k3-rs"))
+    median = read_metrics(tmp_path / "probe" / "metrics.jsonl")[-1]["raw_seq_k3_q50"]
+    sums = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        main(_args(tiny_model_dir, out, 1, "k3-rs", ["--seq-k3-max", repr(median), "--rejected-in-baseline", flag]))
+        record = read_metrics(out / "metrics.jsonl")[-1]
+        assert 0 < record["rejected_seq_frac"] < 1
+        sums[flag] = record["kept_advantage_sum"]
+    # Baselines over the kept rows only: each group's kept advantages sum to zero.
+    assert sums["false"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_preset_from_yaml_with_flags_on_top(tiny_model_dir, tmp_path):
+    from sparserl.config import ConfigError, load_config
+
+    preset = tmp_path / "wide-geo.yaml"
+    preset.write_text("name: wide-geo\nbase: geo-rs\ncorrection: {seq_geo_bounds: [0.5, 2.0], is_mode: truncate}\n")
+    config = load_config(overrides={"mode": str(preset), "veto_threshold": "none"})
+    assert config.correction.seq_geo_bounds == (0.5, 2.0) and config.correction.is_mode == "truncate"
+    assert config.correction.veto_threshold is None  # the flag wins over the preset's base
+    assert main(_args(tiny_model_dir, tmp_path / "run", 1, str(preset))) == 0
+    record = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert "applied_geo_seq_frac" in record and "alpha_mean" in record  # sparse rollouts, from the base
+    (tmp_path / "bad.yaml").write_text("base: geo-rs\ncorrection: {seq_geo: [0.5, 2.0]}\n")
+    with pytest.raises(ConfigError, match="unknown: \\['seq_geo'\\]"):
+        load_config(overrides={"mode": str(tmp_path / "bad.yaml")})
+    with pytest.raises(ConfigError, match="mode 'geo_rs' is unknown"):
+        load_config(overrides={"mode": "geo_rs"})

@@ -18,12 +18,15 @@ tails of each fixed budget are measured too, for the plot. It writes, into `--ou
 - `schedule.yaml`: the schedule, for `--kv-schedule`;
 - `tails.png`: the tail against cached length, one line per budget, with τ drawn;
 - `calibration.md` and `calibration.json`: the table behind it.
+
+`train --recalibrate-every N` runs the same search on the current weights every N steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,29 +38,39 @@ from .rollout.engine import KVCompression
 from .rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
 
 
-def _tails(setup, config, examples, schedule: BudgetSchedule, samples: int, bin_size: int,
-           quantile: float) -> dict[int, float]:
+@dataclass
+class Calibration:
+    schedule: BinnedBudget
+    fixed_tails: dict[int, dict[int, float]]  # budget -> {bin start: α tail}
+    schedule_tails: dict[int, float]  # {bin start: α tail} under the chosen schedule
+    unmet_bins: list[int]  # bins that even the largest budget could not bring to τ
+
+
+def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: BudgetSchedule, samples: int,
+           bin_size: int, quantile: float, seed: int) -> dict[int, float]:
     """{bin start: α tail} of sampled rollouts under `schedule` (same prompts and seed every call)."""
-    compression = KVCompression.from_rollout_config(dataclasses.replace(config.rollout, kv_schedule=None))
+    compression = KVCompression.from_rollout_config(dataclasses.replace(rollout, kv_schedule=None))
     compression = dataclasses.replace(compression, schedule=schedule)
-    done = complete(setup.model, setup.tokenizer, examples, setup.max_new_tokens, config.rollout.temperature,
-                    compression, samples=samples, generator=torch.Generator().manual_seed(config.train.seed),
-                    record_distributions=True)
-    return bin_tails(rollout_alpha_metrics(setup.model, done.batches, config.rollout.temperature, bin_size, quantile))
+    done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, samples=samples,
+                    generator=torch.Generator().manual_seed(seed), record_distributions=True)
+    return bin_tails(rollout_alpha_metrics(model, done.batches, rollout.temperature, bin_size, quantile))
 
 
-def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size: int, prompts: int,
-                    samples: int, quantile: float = 0.05) -> dict:
-    setup = held_out(config, 0)
-    examples = setup.task.examples(prompts, seed=config.train.seed, split="train")
+def calibrate_schedule(model, tokenizer, max_new_tokens: int, rollout, examples, budgets: list[int], tau: float,
+                       bin_size: int, samples: int, seed: int, quantile: float = 0.05,
+                       progress: bool = True) -> Calibration:
+    """The look-ahead schedule of the module docstring, for `model` as it is now (the CLI's and
+    `--recalibrate-every`'s common core). `rollout`: a `RolloutConfig` (policy, window, interval)."""
     budgets = sorted(budgets)
-    measure = lambda schedule: _tails(setup, config, examples, schedule, samples, bin_size, quantile)  # noqa: E731
-    fixed = {b: measure(FixedBudget(b)) for b in tqdm(budgets, desc="calibrate: fixed budgets", unit="budget")}
+    measure = lambda schedule: _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule,  # noqa: E731
+                                      samples, bin_size, quantile, seed)
+    fixed = {b: measure(FixedBudget(b)) for b in tqdm(budgets, desc="calibrate: fixed budgets", unit="budget",
+                                                      disable=not progress)}
     starts = sorted({start for per_bin in fixed.values() for start in per_bin})
     chosen: list[int] = []
     unmet: list[int] = []
-    bar = tqdm(total=len(range(0, starts[-1] + 1, bin_size)) if starts else 0, desc="calibrate: schedule", unit="bin")
-    for start in range(0, starts[-1] + 1 if starts else 0, bin_size):
+    bins = range(0, starts[-1] + 1, bin_size) if starts else range(0)
+    for start in tqdm(bins, desc="calibrate: schedule", unit="bin", disable=not progress):
         floor = chosen[-1] if chosen else budgets[0]
         pick = None
         for budget in (b for b in budgets if b >= floor):
@@ -70,19 +83,25 @@ def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size:
             if measure(BinnedBudget(bin_size, tuple(chosen) + (pick,))).get(start, tau) < tau:
                 unmet.append(start)
         chosen.append(pick)
-        bar.update(1)
-    bar.close()
     schedule = BinnedBudget(bin_size, tuple(chosen or budgets[:1]))
-    achieved = measure(schedule)
+    return Calibration(schedule, fixed, measure(schedule), unmet)
+
+
+def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size: int, prompts: int,
+                    samples: int, quantile: float = 0.05) -> dict:
+    setup = held_out(config, 0)
+    examples = setup.task.examples(prompts, seed=config.train.seed, split="train")
+    found = calibrate_schedule(setup.model, setup.tokenizer, setup.max_new_tokens, config.rollout, examples, budgets,
+                               tau, bin_size, samples, config.train.seed, quantile)
     out.mkdir(parents=True, exist_ok=True)
-    schedule.to_yaml(out / "schedule.yaml", tau=tau, quantile=quantile, policy=config.rollout.kv_policy,
-                     window=config.rollout.kv_window, interval=config.rollout.kv_interval)
+    found.schedule.to_yaml(out / "schedule.yaml", tau=tau, quantile=quantile, policy=config.rollout.kv_policy,
+                           window=config.rollout.kv_window, interval=config.rollout.kv_interval)
     result = {"tau": tau, "bin_size": bin_size, "quantile": quantile, "prompts": prompts, "samples": samples,
-              "tails": {str(b): t for b, t in fixed.items()}, "schedule": list(schedule.budgets),
-              "schedule_tails": achieved, "unmet_bins": unmet}
+              "tails": {str(b): t for b, t in found.fixed_tails.items()}, "schedule": list(found.schedule.budgets),
+              "schedule_tails": found.schedule_tails, "unmet_bins": found.unmet_bins}
     (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "calibration.md").write_text(calibration_table(result) + "\n")
-    _plot(out / "tails.png", fixed, achieved, tau, schedule)
+    _plot(out / "tails.png", found.fixed_tails, found.schedule_tails, tau, found.schedule)
     return result
 
 

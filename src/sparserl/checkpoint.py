@@ -37,6 +37,7 @@ class TrainerState:
     reward_failures: int = 0
     reward_timeouts: int = 0
     starving_steps: int = 0  # steps whose rejected fraction passed warn_rejected_frac
+    rejected_in_a_row: int = 0  # consecutive steps whose every response token was rejected
     kv_budgets: list[int] | None = None  # an adaptive schedule's budgets per bin, for the next step
 
 

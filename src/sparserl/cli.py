@@ -6,6 +6,7 @@
     sparserl sweep --out FILE.json [--budgets B,B,...]
     sparserl audit --out FILE.json --kv-budget B
     sparserl compare --out DIR [--config FILE] [--seeds 0,1,2]
+    sparserl presets                              # the modes: rollouts and corrections of each
 
 Every configuration field a command uses is a flag (see `sparserl COMMAND --help`); a YAML file
 given with --config is applied first and flags override it. Only the chosen command's options are
@@ -32,6 +33,7 @@ COMMANDS = {
     "audit": "pointer walk: where sparse rollouts first go wrong, and whether the token they needed was evicted",
     "calibrate": "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
     "compare": "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
+    "presets": "list the training modes: rollouts and corrections of each (--mode NAME)",
 }
 # The config fields each inference-only command uses: the model, the task, the sampler and its cache.
 INFERENCE_FIELDS = ("model", "task", "rollout", "seed")
@@ -105,7 +107,7 @@ def _warmup_arguments(sub) -> None:
 
 
 def _train_arguments(sub) -> None:
-    from .config import add_config_arguments
+    from .config_flags import add_config_arguments
 
     _common(sub)
     sub.add_argument("--resume", nargs="?", const="must", default="never", choices=["auto", "must"], metavar="auto",
@@ -119,7 +121,7 @@ def _train_arguments(sub) -> None:
 
 
 def _inference_arguments(sub, out_help: str) -> None:
-    from .config import add_config_arguments
+    from .config_flags import add_config_arguments
 
     _common(sub, out_help)
     sub.add_argument("--n", type=int, default=200, help="held-out prompts (default: 200)")
@@ -148,7 +150,7 @@ def _audit_arguments(sub) -> None:
 
 
 def _calibrate_arguments(sub) -> None:
-    from .config import add_config_arguments
+    from .config_flags import add_config_arguments
 
     _common(sub)
     sub.add_argument("--out", required=True, metavar="DIR",
@@ -163,7 +165,7 @@ def _calibrate_arguments(sub) -> None:
 
 
 def _compare_arguments(sub) -> None:
-    from .config import add_config_arguments
+    from .config_flags import add_config_arguments
 
     _common(sub)
     sub.add_argument("--modes", default="dense,naive-sparse,sparse-rl",
@@ -176,7 +178,8 @@ def _compare_arguments(sub) -> None:
 
 
 def _config(args):
-    from .config import load_config, overrides_from_args
+    from .config import load_config
+    from .config_flags import overrides_from_args
 
     return load_config(args.config, overrides_from_args(args))
 
@@ -215,7 +218,7 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from .config import overrides_from_args
+    from .config_flags import overrides_from_args
     from .evaluate import config_for_eval, run_eval
 
     overrides = overrides_from_args(args)
@@ -261,9 +264,22 @@ def _calibrate(args) -> int:
 def _compare(args) -> int:
     from .compare import run_compare
 
-    config = _config(args)
-    seeds = [config.train.seed] if args.seeds is None else _int_list(args.seeds, "seeds")
-    run_compare(config, [m.strip() for m in args.modes.split(",") if m.strip()], seeds)
+    from .config import load_config
+    from .config_flags import overrides_from_args
+
+    overrides = overrides_from_args(args)
+    config_for_mode = lambda mode: load_config(args.config, {**overrides, "mode": mode})  # noqa: E731
+    seeds = [config_for_mode("dense").train.seed] if args.seeds is None else _int_list(args.seeds, "seeds")
+    run_compare(config_for_mode, [m.strip() for m in args.modes.split(",") if m.strip()], seeds)
+    return 0
+
+
+def _presets(args) -> int:
+    from .presets import presets_table
+
+    print(presets_table())
+    print("\nA field given on the command line or in --config overrides the preset's; a preset of your own is "
+          "a YAML file (--mode FILE.yaml, see sparserl/presets.py).")
     return 0
 
 
@@ -282,7 +298,7 @@ def _write_json(out: Path, result: dict) -> None:
 _HANDLERS = {"warmup": (_warmup_arguments, _warmup), "train": (_train_arguments, _train),
              "eval": (_eval_arguments, _eval), "sweep": (_sweep_arguments, _sweep),
              "audit": (_audit_arguments, _audit), "calibrate": (_calibrate_arguments, _calibrate),
-             "compare": (_compare_arguments, _compare)}
+             "compare": (_compare_arguments, _compare), "presets": (lambda sub: None, _presets)}
 
 if __name__ == "__main__":
     sys.exit(main())

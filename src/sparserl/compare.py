@@ -14,10 +14,12 @@ import datetime
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint import latest_checkpoint
 from .config import MODES, ConfigError, ExperimentConfig
+from .presets import PresetError, preset_name
 from .run_dir import RUN_FREE_FIELDS, config_differences, holds_a_run, make_output_dir
 from .evaluate import evaluate_policy
 from .metrics_log import METRICS_FILE, read_metrics
@@ -27,23 +29,31 @@ log = logging.getLogger(__name__)
 FINAL_EVAL = "final_eval.json"
 
 
-def mode_config(config: ExperimentConfig, mode: str, seed: int, run_dir: Path) -> ExperimentConfig:
+def run_config(config_for_mode: Callable[[str], ExperimentConfig], mode: str, seed: int,
+               run_dir: Path) -> ExperimentConfig:
+    config = config_for_mode(mode)
     return dataclasses.replace(
         config,
-        train=dataclasses.replace(config.train, mode=mode, seed=seed),
+        train=dataclasses.replace(config.train, seed=seed),
         output=dataclasses.replace(config.output, out=str(run_dir), eval_sparse_inference=True),
     )
 
 
-def run_compare(config: ExperimentConfig, modes: list[str], seeds: list[int]) -> Path:
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ConfigError(f"--modes: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}")
+def run_compare(config_for_mode: Callable[[str], ExperimentConfig], modes: list[str], seeds: list[int]) -> Path:
+    """`config_for_mode(mode)` is the experiment's config with that mode's preset resolved (the CLI
+    reloads the config file and flags with `--mode` set, so explicit correction fields still win)."""
+    if not modes:
+        raise ConfigError(f"--modes: none given; choose from {', '.join(MODES)} or preset YAML files")
+    try:
+        names = {mode: preset_name(mode) for mode in modes}
+    except PresetError as error:
+        raise ConfigError(f"--modes: {error}") from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds: give distinct integer seeds, e.g. 0,1,2 (got {seeds})")
-    out, created = make_output_dir(config.output.out)
+    base = config_for_mode("dense")
+    out, created = make_output_dir(base.output.out)
     try:
-        return _run_jobs(config, out, modes, seeds)
+        return _run_jobs(base, config_for_mode, out, names, seeds)
     except BaseException:
         # A comparison that failed before any run logged a step leaves nothing behind.
         if created and not any(holds_a_run(run) for run in out.glob("*/seed*")):
@@ -51,7 +61,8 @@ def run_compare(config: ExperimentConfig, modes: list[str], seeds: list[int]) ->
         raise
 
 
-def _run_jobs(config: ExperimentConfig, out: Path, modes: list[str], seeds: list[int]) -> Path:
+def _run_jobs(config: ExperimentConfig, config_for_mode: Callable[[str], ExperimentConfig], out: Path,
+              names: dict[str, str], seeds: list[int]) -> Path:
     manifest = out / "compare.json"
     record = json.loads(manifest.read_text()) if manifest.exists() else {
         "modes": [], "seeds": [], "config": config.to_dict(),
@@ -65,20 +76,20 @@ def _run_jobs(config: ExperimentConfig, out: Path, modes: list[str], seeds: list
                           "settings to extend it, or another --out")
     record["config"] = config.to_dict()
     # A comparison extended later with more modes (e.g. the ablations) or seeds reports all of them.
-    record["modes"] = record["modes"] + [m for m in modes if m not in record["modes"]]
+    record["modes"] = record["modes"] + [name for name in names.values() if name not in record["modes"]]
     record["seeds"] = record.get("seeds", []) + [s for s in seeds if s not in record.get("seeds", [])]
     manifest.write_text(json.dumps(record, indent=2, default=list))
-    jobs = [(seed, mode) for seed in seeds for mode in modes]
+    jobs = [(seed, mode) for seed in seeds for mode in names]
     for index, (seed, mode) in enumerate(jobs, start=1):
-        run_dir = out / mode / f"seed{seed}"
+        run_dir = out / names[mode] / f"seed{seed}"
         if (run_dir / FINAL_EVAL).exists():
             log.info("[%d/%d] %s seed %d: already done, skipping", index, len(jobs), mode, seed)
             continue
         resume = latest_checkpoint(run_dir) is not None
         log.info("[%d/%d] %s seed %d: %s", index, len(jobs), mode, seed, "resuming" if resume else "training")
-        trainer = GRPOTrainer(mode_config(config, mode, seed, run_dir), resume="auto")
+        trainer = GRPOTrainer(run_config(config_for_mode, mode, seed, run_dir), resume="auto")
         trainer.train()
-        _final_eval(trainer, mode, run_dir)
+        _final_eval(trainer, names[mode], run_dir)
 
     from .report import paper_table, write_report
 

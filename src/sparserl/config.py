@@ -8,7 +8,6 @@ a `ConfigError` naming the key.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import types
@@ -21,8 +20,9 @@ import yaml
 
 from .corrections import CorrectionConfig
 
-Mode = Literal["dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "sparrow"]
-MODES: tuple[str, ...] = typing.get_args(Mode)
+from .presets import PRESETS, PresetError, load_preset
+
+MODES: tuple[str, ...] = tuple(PRESETS)
 
 
 class ConfigError(ValueError):
@@ -61,7 +61,11 @@ class RolloutConfig:
     kv_interval: int = 8  # decode steps between compressions
     kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`), or adaptive: kv_budget adjusted online to keep the α tail >= alpha_tau
     alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
-    alpha_tau: float = 0.86  # the α tail an adaptive schedule keeps
+    alpha_tau: float = 0.86  # the α tail an adaptive schedule, or a recalibration, keeps
+    recalibrate_every: int = 0  # train: rerun the calibration on the current weights every N steps (0: never); tau alpha_tau, bins alpha_bin_size
+    calibration_budgets: str = "24,32,40,48,56,64,72,80,96,128"  # the budgets a recalibration tries, comma-separated
+    calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
+    calibration_samples: int = 4  # sampled rollouts per calibration prompt
     kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
     kv_lambda: float = 0.1  # rkv: weight of importance against redundancy
     kv_similarity_threshold: float = 0.5  # rkv: key cosine similarity above which the older twin is redundant
@@ -72,7 +76,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    mode: Mode = "dense"  # dense rollouts, sparse ones with no, full or partial Sparse-RL corrections, or sparrow (scheduled, TIS)
+    mode: str = "dense"  # a preset: whether rollouts are sparse and which corrections apply (`sparserl presets`), or a preset YAML file
     steps: int = 80  # training steps (one rollout batch each)
     seed: int = 0  # prompts, sampling and held-out set all derive from it
     lr: float = 1e-4  # AdamW learning rate; tuned on the built-in experiment (1e-3 collapsed, 3e-4 stayed flat)
@@ -85,8 +89,9 @@ class TrainConfig:
     kl_coef: float = 1e-4  # weight of the k3 KL to the initial policy (0: no reference model)
     entropy_coef: float = 0.0  # weight of the entropy bonus
     loss_agg: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"  # loss aggregation (token-mean: DAPO)
-    rejected_in_baseline: bool = True  # vetoed sequences still count in their group's reward baseline (reference)
+    rejected_in_baseline: bool = True  # rejected sequences still count in their group's reward baseline (reference)
     warn_rejected_frac: float = 0.5  # warn once when corrections reject more than this fraction of tokens
+    max_rejected_steps: int = 3  # stop with an error after this many consecutive steps whose every token was rejected
     micro_batch_size: int = 64  # rows per forward in recompute and update; bounds memory
     reward_funcs: str = "task"  # comma-separated rewards: task (the task's own) and MODULE:FUNCTION or FILE.py:FUNCTION
     reward_weights: str = ""  # comma-separated weights, one per reward function (default: all 1)
@@ -146,7 +151,7 @@ class ExperimentConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig.off)  # the default mode's (dense) preset
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -241,12 +246,24 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         section, annotation, _ = index[name]
         sections[section][name] = coerce(raw, annotation, name)
     try:
-        built = {name: cls(**sections[name]) for name, cls in _sections().items()}
+        built = {name: cls(**sections[name]) for name, cls in _sections().items() if name != "correction"}
+        built["correction"] = resolve_correction(built["train"].mode, sections["correction"])
     except (TypeError, ValueError) as error:
         raise ConfigError(str(error)) from None
     config = ExperimentConfig(**built)
     validate(config)
     return config
+
+
+def resolve_correction(mode: str, explicit: dict[str, Any]) -> CorrectionConfig:
+    """The mode's preset corrections, with the fields given explicitly (config file, flags) on top."""
+    try:
+        preset = load_preset(mode)
+    except PresetError as error:
+        raise ConfigError(str(error)) from None
+    hints = typing.get_type_hints(CorrectionConfig)
+    from_file = {key: coerce(value, hints[key], key) for key, value in preset.correction_overrides.items()}
+    return CorrectionConfig(**{**dataclasses.asdict(preset.correction), **from_file, **explicit})
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -296,6 +313,7 @@ def validate(config: ExperimentConfig) -> None:
          "min_difficulty must be 0 (difficulty - 10) or in 3..difficulty"),
     ]
     checks += [
+        (config.train.max_rejected_steps >= 1, "max_rejected_steps must be >= 1"),
         (config.output.keep_checkpoints >= 1, "keep_checkpoints must be >= 1 (the newest is always kept)"),
         (config.output.eval_every >= 0, "eval_every must be >= 0 (0: no evaluation during training)"),
         (config.output.eval_examples >= 1, "eval_examples must be >= 1"),
@@ -311,8 +329,12 @@ def validate(config: ExperimentConfig) -> None:
         if not ok:
             raise ConfigError(message)
     _validate_kv_policy(config.rollout)
-    if config.train.mode == "sparrow" and not config.rollout.kv_schedule:
-        raise ConfigError("--mode sparrow needs --kv-schedule FILE (write one with `sparserl calibrate`)")
+    if load_preset(config.train.mode).needs_schedule and not config.rollout.kv_schedule:
+        raise ConfigError(f"--mode {config.train.mode} needs --kv-schedule FILE (write one with `sparserl calibrate`) "
+                          "or --kv-schedule adaptive")
+    _validate_recalibration(config.rollout)
+    if config.rollout.recalibrate_every and not load_preset(config.train.mode).sparse_rollouts:
+        raise ConfigError(f"--recalibrate-every needs sparse rollouts; mode {config.train.mode} samples densely")
     if config.rollout.kv_schedule and config.rollout.kv_schedule != "adaptive":
         from .rollout.schedule import BinnedBudget
 
@@ -331,6 +353,26 @@ KV_POLICY_OPTIONS = {"kv_lambda": "lam", "kv_similarity_threshold": "similarity_
                      "kv_kernel_size": "kernel_size", "kv_pooling": "pooling", "kv_sinks": "sinks"}
 
 
+def calibration_budgets(rollout: RolloutConfig) -> list[int]:
+    budgets = [coerce(b.strip(), int, "calibration_budgets") for b in rollout.calibration_budgets.split(",") if b.strip()]
+    if not budgets or min(budgets) <= rollout.kv_window:
+        raise ConfigError(f"calibration_budgets must list budgets above kv_window ({rollout.kv_window}), "
+                          f"got {rollout.calibration_budgets!r}")
+    return budgets
+
+
+def _validate_recalibration(rollout: RolloutConfig) -> None:
+    if rollout.recalibrate_every < 0:
+        raise ConfigError("recalibrate_every must be >= 0 (0: never)")
+    if not rollout.recalibrate_every:
+        return
+    if rollout.kv_schedule == "adaptive":
+        raise ConfigError("--recalibrate-every and --kv-schedule adaptive both set the budgets; choose one")
+    if rollout.calibration_prompts < 1 or rollout.calibration_samples < 1:
+        raise ConfigError("calibration_prompts and calibration_samples must be >= 1")
+    calibration_budgets(rollout)
+
+
 def _validate_kv_policy(rollout: RolloutConfig) -> None:
     """An unknown policy, or an option set away from its default that the policy does not take, is an error."""
     import inspect
@@ -346,54 +388,6 @@ def _validate_kv_policy(rollout: RolloutConfig) -> None:
             takers = sorted(p for p, cls in POLICIES.items() if parameter in inspect.signature(cls).parameters)
             raise ConfigError(f"--{name.replace('_', '-')} does not apply to kv_policy {rollout.kv_policy}; "
                               f"it is an option of {', '.join(takers)}")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
-                         skip: tuple[str, ...] = ()) -> None:
-    """One `--flag` per config field, grouped by section, with its one-line help, valid values and
-    default. `only` names the sections (or single fields) a command uses; `skip` drops fields."""
-    index = field_index()
-    helps = {name: text for cls in _sections().values() for name, text in field_help(cls).items()}
-    groups = {name: parser.add_argument_group(f"{name} settings") for name in _sections()
-              if only is None or name in only or any(index[f][0] == name for f in only if f in index)}
-    for name, (section, annotation, default) in index.items():
-        if name in skip or section not in groups or (only is not None and section not in only and name not in only):
-            continue
-        shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
-        groups[section].add_argument(
-            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None,
-            metavar=_named_choices(name) or _metavar(annotation),
-            help=f"{helps.get(name, '')} (default: {shown})")
-
-
-def _named_choices(name: str) -> str | None:
-    """The valid values of the string fields that name a registered thing."""
-    if name == "kv_policy":
-        from .rollout.kv_policies import POLICIES
-
-        return "{" + ",".join(sorted(POLICIES)) + "}"
-    if name == "task":
-        return "{" + ",".join(TASKS) + ",gym:NAME}"
-    return None
-
-
-def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None}
-
-
-def _metavar(annotation: Any) -> str:
-    if typing.get_origin(annotation) is Literal:
-        return "{" + ",".join(map(str, typing.get_args(annotation))) + "}"
-    if typing.get_origin(annotation) is tuple:
-        return ",".join(["LOW", "HIGH"] if len(typing.get_args(annotation)) == 2 else ["VALUE"] * 3)
-    names = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}
-    if annotation in names:
-        return names[annotation]
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if args:
-        inner = _metavar(args[0]) if len(args) == 1 else "VALUE"
-        return f"{inner}|none" if type(None) in typing.get_args(annotation) else inner
-    return "VALUE"
 
 
 def save_config(config: ExperimentConfig, path: Path) -> None:

@@ -1,8 +1,19 @@
-"""Sparse-RL corrections (SPEC §3): sparsity-aware rejection sampling and importance reweighting.
+"""Rollout corrections (SPEC §3): rejection filters and importance weights for sparse rollouts.
 
 Given the log-probs of the sampled tokens under the dense old policy (π_old) and under the sparse
-sampler (π_sparse), decide which tokens take part in the loss (`keep_mask`) and with what
-importance weight (`weights`), and report the mismatch metrics of SPEC §3.6.
+sampler (π_sparse), with ξ = π_old / π_sparse per token, decide which tokens take part in the loss
+(`keep_mask`) and with what importance weight (`weights`), and report the mismatch metrics.
+
+Filters compose freely; each is off when its field is None:
+- `veto_threshold` (Sparse-RL): a token with ξ below it rejects its whole sequence, or, with
+  `veto_scope="prefix"`, only the tokens from it onward (the ones before were sampled from a
+  context the dense policy shares);
+- `band` (Sparse-RL's band, IcePop's two-sided token mask): tokens with ξ outside [low, high];
+- `seq_geo_bounds` (verl's Geo-RS, `seq_mean_k1`): sequences whose geometric-mean ξ leaves [low, high];
+- `seq_k3_max` (verl's `seq_mean_k3`): sequences whose mean ξ − 1 − log ξ exceeds the bound;
+- `seq_log_ratio_max` (verl's symmetric veto): sequences with some |log ξ| above the bound.
+
+Named combinations (the modes) are classmethods here and are registered in `sparserl.presets`.
 """
 
 from __future__ import annotations
@@ -16,14 +27,13 @@ import torch
 
 _LOG_CLAMP = 20.0
 _QUANTILES = (0.01, 0.05, 0.50, 0.95, 0.99)
+SEQUENCE_FILTERS = ("geo", "k3", "max_log")
 
 
 @dataclass
 class CorrectionConfig:
-    """Settings of the corrections; defaults are the Sparse-RL reference's.
+    """Settings of the corrections; the defaults are the Sparse-RL reference's (`sparse_rl()`).
 
-    veto_threshold: reject a whole sequence if any response token has ξ < this (None: no veto).
-    band: keep only tokens with low ≤ ξ ≤ high, both ends inclusive (None: no band).
     is_mode: how ξ becomes a weight — "truncate": min(ξ, cap); "clip": clamp(ξ, 1/cap, cap)
         (so it needs cap ≥ 1); "mask": ξ where ξ ≤ cap, else 0 (the token stays in keep_mask and
         only its weight is zeroed); "none": all ones.
@@ -32,8 +42,12 @@ class CorrectionConfig:
     batch_normalize: divide the weights by their mean over all response tokens of the batch.
     """
 
-    veto_threshold: float | None = 1e-4  # reject a whole sequence with any token of ξ below this (none: no veto)
-    band: tuple[float, float] | None = (0.5, 1.5)  # keep only tokens with LOW <= ξ <= HIGH, as LOW,HIGH (none: no band)
+    veto_threshold: float | None = 1e-4  # a token with ξ below this rejects its sequence (none: no veto)
+    veto_scope: Literal["sequence", "prefix"] = "sequence"  # the veto rejects the whole sequence, or only the tokens from the vetoing one onward
+    band: tuple[float, float] | None = (0.5, 1.5)  # two-sided token mask: keep only tokens with LOW <= ξ <= HIGH (none: no band)
+    seq_geo_bounds: tuple[float, float] | None = None  # keep sequences whose geometric-mean ξ is in LOW,HIGH (none: off)
+    seq_k3_max: float | None = None  # keep sequences whose mean k3 = ξ - 1 - log ξ is at most this (none: off)
+    seq_log_ratio_max: float | None = None  # keep sequences whose max |log ξ| is at most this (none: off)
     is_mode: Literal["truncate", "clip", "mask", "none"] = "truncate"  # how ξ becomes an importance weight
     is_cap: float = 1.5  # the weights' cap C
     is_level: Literal["token", "sequence", "geometric"] = "token"  # ratio per token, its product, or geometric mean
@@ -42,15 +56,14 @@ class CorrectionConfig:
     def __post_init__(self) -> None:
         if self.veto_threshold is not None and not self.veto_threshold > 0:
             raise ValueError(f"veto_threshold must be > 0 or None, got {self.veto_threshold!r}")
-        if self.band is not None:
-            if len(self.band) != 2:
-                raise ValueError(f"band must be a (low, high) pair or None, got {self.band!r}")
-            low, high = self.band
-            if not (low >= 0 and high > 0):
-                raise ValueError(f"band must have low >= 0 and high > 0, got {self.band!r}")
-            if low > high:
-                raise ValueError(f"band low must be <= high, got {self.band!r}")
-            self.band = (float(low), float(high))
+        if self.veto_scope not in ("sequence", "prefix"):
+            raise ValueError(f"veto_scope must be sequence|prefix, got {self.veto_scope!r}")
+        self.band = _bounds("band", self.band)
+        self.seq_geo_bounds = _bounds("seq_geo_bounds", self.seq_geo_bounds)
+        for name in ("seq_k3_max", "seq_log_ratio_max"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
         if self.is_mode not in ("truncate", "clip", "mask", "none"):
             raise ValueError(f"is_mode must be truncate|clip|mask|none, got {self.is_mode!r}")
         if not self.is_cap > 0 or math.isinf(self.is_cap):
@@ -60,16 +73,75 @@ class CorrectionConfig:
         if self.is_level not in ("token", "sequence", "geometric"):
             raise ValueError(f"is_level must be token|sequence|geometric, got {self.is_level!r}")
 
+    # ---------------------------------------------------------------- presets
+    # The field's thresholds are for bf16-vs-fp32 drift, not sparse-rollout mismatch: verl's Geo-RS
+    # bounds (0.999, 1.001) would reject every sequence with an eviction here. Ours (|log| ≤ 0.1 for
+    # the geometric mean, 0.1 for mean k3) flag about as many sequences at step 0 of the built-in
+    # paper regime as the reference veto (11%); docs/results.md has the measurement.
+    @classmethod
+    def off(cls) -> CorrectionConfig:
+        """No filter, unit weights: the metrics are still computed."""
+        return cls(veto_threshold=None, band=None, is_mode="none", batch_normalize=False)
+
+    @classmethod
+    def sparse_rl(cls) -> CorrectionConfig:
+        """The Sparse-RL reference: sequence veto at 1e-4, band [0.5, 1.5], token TIS capped at 1.5, batch-normalised."""
+        return cls()
+
+    @classmethod
+    def sparse_tis(cls) -> CorrectionConfig:
+        """The reference's importance weights alone."""
+        return cls(veto_threshold=None, band=None)
+
+    @classmethod
+    def sparse_rs(cls) -> CorrectionConfig:
+        """The reference's rejection alone (veto and band), unit weights."""
+        return cls(is_mode="none", batch_normalize=False)
+
+    @classmethod
+    def geo_rs(cls, low: float = 0.905, high: float = 1.105, veto: float | None = 1e-4) -> CorrectionConfig:
+        """verl's Geo-RS: geometric-mean sequence filter plus the token veto, no weights."""
+        return cls(veto_threshold=veto, band=None, seq_geo_bounds=(low, high), is_mode="none", batch_normalize=False)
+
+    @classmethod
+    def k3_rs(cls, bound: float = 0.1) -> CorrectionConfig:
+        """verl's `seq_mean_k3` rejection: mean k3 per sequence at most `bound`, no weights."""
+        return cls(veto_threshold=None, band=None, seq_k3_max=bound, is_mode="none", batch_normalize=False)
+
+    @classmethod
+    def seq_mask_tis(cls, low: float = 0.905, high: float = 1.105, cap: float = 2.0) -> CorrectionConfig:
+        """OpenRLHF / NeMo-RL `seq-mask-tis`: geometric-mean sequence mask plus token TIS."""
+        return cls(veto_threshold=None, band=None, seq_geo_bounds=(low, high), is_cap=cap, batch_normalize=False)
+
+    @classmethod
+    def prefix_veto_tis(cls, veto: float = 1e-4) -> CorrectionConfig:
+        """The reference's TIS with a prefix veto: tokens from the first ξ < veto onward are masked."""
+        return cls(veto_threshold=veto, veto_scope="prefix", band=None)
+
+
+def _bounds(name: str, value) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    if len(value) != 2:
+        raise ValueError(f"{name} must be a (low, high) pair or None, got {value!r}")
+    low, high = value
+    if not (low >= 0 and high > 0):
+        raise ValueError(f"{name} must have low >= 0 and high > 0, got {value!r}")
+    if low > high:
+        raise ValueError(f"{name} low must be <= high, got {value!r}")
+    return float(low), float(high)
+
 
 @dataclass
 class Corrections:
     """Result of `compute_corrections`.
 
-    weights: [B, T] detached importance weights, 0 outside the response mask. Tokens rejected by
-        the band or the veto keep their weight; the loss drops them through `keep_mask`.
-    keep_mask: [B, T] float 0/1, response_mask × sequence not vetoed × in band.
+    weights: [B, T] detached importance weights, 0 outside the response mask. Tokens rejected by a
+        filter keep their weight; the loss drops them through `keep_mask`.
+    keep_mask: [B, T] float 0/1, the response tokens that pass every filter.
     metrics: mismatch and rejection metrics as plain floats.
-    seq_keep: [B] bool, False for vetoed sequences (True for rows with no response token).
+    seq_keep: [B] bool, False for sequences removed whole by a sequence-level filter or the
+        sequence veto (True for rows with no response token; a prefix veto leaves it True).
     """
 
     weights: torch.Tensor
@@ -117,19 +189,38 @@ def compute_corrections(
     xi = clamped.exp()
     n_tok = resp_f.sum(dim=1)  # [B]
     has_resp = n_tok > 0
+    sequence_stats = _sequence_statistics(log_ratio, clamped, xi, n_tok)
 
-    # Veto on the unclamped ratio, as specified; padding has log_ratio 0 so it never vetoes.
+    # Each filter's own removal, [B, T] bool over response tokens; padding has log_ratio 0 so never trips one.
+    removed: dict[str, torch.Tensor] = {}
     if config.veto_threshold is not None:
-        seq_keep = ~(log_ratio < math.log(config.veto_threshold)).any(dim=1)
-    else:
-        seq_keep = torch.ones_like(has_resp)
+        below = log_ratio < math.log(config.veto_threshold)  # the unclamped ratio, as the reference does
+        if config.veto_scope == "prefix":
+            removed["prefix_veto"] = below.cumsum(dim=1) > 0
+        else:
+            removed["veto"] = below.any(dim=1, keepdim=True).expand_as(resp)
+    sequence_bounds = {"geo": (config.seq_geo_bounds, sequence_stats["geo"]),
+                       "k3": ((0.0, config.seq_k3_max) if config.seq_k3_max is not None else None, sequence_stats["k3"]),
+                       "max_log": ((0.0, config.seq_log_ratio_max) if config.seq_log_ratio_max is not None else None,
+                                   sequence_stats["max_log"])}
+    for name, (bounds, statistic) in sequence_bounds.items():
+        if bounds is not None:
+            outside = has_resp & ((statistic < bounds[0]) | (statistic > bounds[1]))
+            removed[name] = outside[:, None].expand_as(resp)
     in_band = torch.ones_like(resp)
     if config.band is not None:
-        low, high = config.band
-        in_band = (xi >= low) & (xi <= high)
-    keep = resp & seq_keep[:, None] & in_band
+        in_band = (xi >= config.band[0]) & (xi <= config.band[1])
+        removed["band"] = ~in_band
+    removed = {name: mask & resp for name, mask in removed.items()}
+    seq_keep = torch.ones_like(has_resp)
+    for name in ("veto", *SEQUENCE_FILTERS):
+        if name in removed:
+            seq_keep &= ~removed[name].any(dim=1)
+    keep = resp.clone()
+    for mask in removed.values():
+        keep &= ~mask
 
-    # Levels: sequence/geometric sum over all response tokens (band-rejected ones included).
+    # Levels: sequence/geometric sum over all response tokens (rejected ones included).
     if config.is_level == "token":
         ratio = xi
     elif config.is_level == "sequence":
@@ -148,17 +239,58 @@ def compute_corrections(
         w = torch.ones_like(ratio)
     w = w * resp_f
 
-    # Mean over every response token, vetoed and band-rejected ones included (reference behaviour).
+    # Mean over every response token, rejected ones included (reference behaviour).
     n_resp = int(resp.sum().item())
+    normaliser = 1.0
     if config.batch_normalize and n_resp > 0:
         mean_w = w.sum() / n_resp
         if mean_w > 0:
+            normaliser = mean_w.item()
             w = w / mean_w
 
     metrics = _metrics(logp_old=old, logp_sampler=smp, clamped=clamped, xi=xi, resp=resp,
                        seq_keep=seq_keep, has_resp=has_resp, in_band=in_band, keep=keep, w=w)
+    metrics.update(_filter_metrics(removed, resp, has_resp))
+    metrics.update(_sequence_statistic_metrics(sequence_stats, has_resp))
+    metrics["is_batch_norm_factor"] = normaliser
     return Corrections(weights=w.to(out_dtype), keep_mask=keep.to(out_dtype), metrics=metrics,
                        seq_keep=seq_keep)
+
+
+def _sequence_statistics(log_ratio, clamped, xi, n_tok) -> dict[str, torch.Tensor]:
+    """Per-sequence [B] statistics the sequence filters test: geometric-mean ξ, mean k3, max |log ξ|.
+
+    The geometric mean and k3 use the ratio clamped to ±20 in log space (as the weights do); the max
+    rule uses the raw ratio, like the veto. Rows without response tokens get 1, 0 and 0.
+    """
+    per_token = n_tok.clamp(min=1)
+    return {"geo": (clamped.sum(dim=1) / per_token).exp(),
+            "k3": (xi - 1.0 - clamped).sum(dim=1) / per_token,
+            "max_log": log_ratio.abs().amax(dim=1) if log_ratio.shape[1] else n_tok.clone()}
+
+
+def _filter_metrics(removed: dict[str, torch.Tensor], resp: torch.Tensor, has_resp: torch.Tensor) -> dict[str, float]:
+    """What each applied filter alone removes: `applied_<filter>_token_frac` of the response tokens and
+    `applied_<filter>_seq_frac` of the sequences it touches (removes whole, or cuts, for the prefix veto)."""
+    n_resp = max(int(resp.sum().item()), 1)
+    n_seq = max(int(has_resp.sum().item()), 1)
+    out = {}
+    for name, mask in removed.items():
+        out[f"applied_{name}_token_frac"] = int(mask.sum().item()) / n_resp
+        out[f"applied_{name}_seq_frac"] = int(mask.any(dim=1).sum().item()) / n_seq
+    return out
+
+
+def _sequence_statistic_metrics(stats: dict[str, torch.Tensor], has_resp: torch.Tensor) -> dict[str, float]:
+    """Raw (before any filter) quantiles of the per-sequence statistics, to choose thresholds from."""
+    out = {}
+    if not bool(has_resp.any()):
+        return out
+    for name, values in stats.items():
+        ordered = values[has_resp].sort().values
+        for q in (0.05, 0.50, 0.95):
+            out[f"raw_seq_{name}_q{round(q * 100):02d}"] = _quantile(ordered, q)
+    return out
 
 
 def _metrics(*, logp_old, logp_sampler, clamped, xi, resp, seq_keep, has_resp, in_band, keep, w) -> dict[str, float]:
@@ -187,11 +319,11 @@ def _metrics(*, logp_old, logp_sampler, clamped, xi, resp, seq_keep, has_resp, i
         m.update({f"xi_q{round(q * 100):02d}": 1.0 for q in _QUANTILES})
         m.update({k: 0.0 for k in ("logppl_sampler", "logppl_old", "kl_sampler_old", "kl_k3_sampler_old")})
 
-    # Count the vetoed sequences (the reference counted the kept ones); empty rows can't be vetoed.
+    # Count the rejected sequences (the reference counted the kept ones); empty rows can't be rejected.
     n_seq = int(has_resp.sum().item())
-    n_vetoed = int((has_resp & ~seq_keep).sum().item())
-    m["vetoed_sequences"] = float(n_vetoed)
-    m["veto_frac"] = n_vetoed / n_seq if n_seq else 0.0
+    n_rejected = int((has_resp & ~seq_keep).sum().item())
+    m["rejected_sequences"] = float(n_rejected)
+    m["rejected_seq_frac"] = n_rejected / n_seq if n_seq else 0.0
     alive = resp & seq_keep[:, None]
     n_alive = int(alive.sum().item())
     m["band_mask_frac"] = int((alive & ~in_band).sum().item()) / n_alive if n_alive else 0.0

@@ -30,7 +30,7 @@ MIN_EVAL_EXAMPLES = 100  # below this many held-out examples (or MIN_STEPS steps
 MIN_STEPS = 20
 TABLE_HEADER = ("Mode", "Held-out acc (dense inf.)", "Held-out acc (sparse inf.)", "Exact walks (dense inf.)",
                 "Acc at step 0 (dense / sparse)", "KV saved", "Peak KV MiB (sparse / dense)", "Rollout s",
-                "Final train reward", "Vetoed seq. / step", "Skipped steps")
+                "Final train reward", "Rejected tokens / seq. (applied)", "Skipped steps")
 MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean"), ("flagged_veto_frac", "mean"),
                  ("flagged_band_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"),
                  ("walk_exact", "mean"))
@@ -94,7 +94,8 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     s["rollout_total"] = final.get("rollout_seconds", sum(series(steps, "rollout_s")[1]) if steps else None)
     rewards = series(steps, "reward_mean")[1]
     s["final_reward"] = _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):])  # the last 10% of steps
-    s["vetoed_mean"] = _mean(series(steps, "vetoed_sequences")[1])
+    s["rejected_tokens"] = _mean(series(steps, "rejected_token_frac")[1])
+    s["rejected_seqs"] = _mean(series(steps, "rejected_seq_frac")[1])
     skipped = series(steps, "skipped_steps")[1]
     s["skipped"] = skipped[-1] if skipped else None
     s["veto0"] = steps[0].get("flagged_veto_frac") if steps else None
@@ -149,11 +150,12 @@ def _row(mode: str, seeds: list[dict]) -> list[str]:
     label = mode + (f" ({incomplete} incomplete)" if incomplete else "") + \
         (f" ({len(done)} of {len(seeds)} seeds)" if len(done) < len(seeds) else "")
     peak = DASH if all(v is None for v in col("kv_peak")) else f"{cell(col('kv_peak'), '.2f')} / {cell(col('kv_dense'), '.2f')}"
-    vetoes = any(v for v in col("vetoed_mean"))
+    rejects = any(v for v in col("rejected_tokens"))
     return [label, cell(col("acc_dense")), cell(col("acc_sparse")), cell(col("exact_dense")),
             f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}", cell(col("kv_saved")), peak,
             cell(col("rollout_total"), ".1f"), cell(col("final_reward"), ".3f"),
-            cell(col("vetoed_mean"), ".2f") if vetoes else DASH, cell(col("skipped"), "int")]
+            f"{cell(col('rejected_tokens'))} / {cell(col('rejected_seqs'))}" if rejects else DASH,
+            cell(col("skipped"), "int")]
 
 
 def _markdown(header, rows: list[list[str]]) -> str:
@@ -292,11 +294,11 @@ def _length_table(runs: dict[str, list[dict]]) -> str:
 
 def write_report(compare_dir: Path) -> Path:
     """Write the plots and report.md into `compare_dir`; return report.md's path."""
-    from .report_plots import PLOTS, write_plots
+    from .report_plots import write_plots
 
     compare_dir = Path(compare_dir)
     meta, runs = load(compare_dir)
-    write_plots(compare_dir, runs)
+    plots = write_plots(compare_dir, runs)
     c = meta.get("config") or {}
     g = lambda k: _setting(c, k)  # noqa: E731
     seeds = meta.get("seeds") or [0]
@@ -316,7 +318,7 @@ def write_report(compare_dir: Path) -> Path:
         "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
         _mismatch_table(runs), "",
         "## Sequences flagged by the veto, by response length", "", _length_table(runs), "",
-        "## Plots", "", *[f"![{name}]({name})\n" for name in PLOTS],
+        "## Plots", "", *[f"![{name}]({name})\n" for name in plots],
         "## Verdicts", "",
         f"Thresholds: *collapsed* if final dense-inference accuracy < {COLLAPSE_FRAC:.0%} of its step-0 value; "
         f"*degraded* if more than {DEGRADE_POINTS:.0f} points below step 0; *improved* if more than "

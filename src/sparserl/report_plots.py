@@ -17,8 +17,10 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from .report import series  # noqa: E402
 
 MODE_COLOURS = {"dense": "#1f77b4", "naive-sparse": "#d62728", "sparse-rl": "#2ca02c",
-                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd", "sparrow": "#8c564b"}
-PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "kv_memory.png", "rollout_time.png")
+                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd", "sparrow": "#8c564b", "geo-rs": "#e377c2",
+                "k3-rs": "#7f7f7f", "seq-mask-tis": "#bcbd22", "prefix-veto-tis": "#17becf"}
+PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "rejection.png", "kv_memory.png", "rollout_time.png")
+SCHEDULE_PLOT = "kv_budget.png"  # only when some run had a budget schedule
 
 
 def _colour(mode: str, i: int) -> str:
@@ -73,7 +75,27 @@ def _bars(ax, runs, key, ylabel, title, scale=1.0):
     ax.set(title=title, ylabel=ylabel)
 
 
-def write_plots(out: Path, runs: dict[str, list[dict]]) -> None:
+def _budget_schedules(path: Path, runs: dict[str, list[dict]]) -> bool:
+    """Budget per cached-length bin over training (mean over seeds), one panel per scheduled mode."""
+    scheduled = {mode: seeds for mode, seeds in runs.items()
+                 if any(k.startswith("kv_budget_len_") for s in seeds for r in s.get("steps", []) for k in r)}
+    if not scheduled:
+        return False
+    fig, axes = plt.subplots(1, len(scheduled), figsize=(5 * len(scheduled), 3.8), squeeze=False)
+    for ax, (mode, seeds) in zip(axes[0], scheduled.items()):
+        keys = sorted({k for s in seeds for r in s.get("steps", []) for k in r if k.startswith("kv_budget_len_")},
+                      key=lambda k: int(k.rsplit("_", 1)[1]))
+        colours = plt.cm.viridis([i / max(len(keys) - 1, 1) for i in range(len(keys))])
+        for key, colour in zip(keys, colours):
+            x, mean, _, _ = _across_seeds(seeds, key)
+            ax.plot(x, mean, color=colour, lw=1.2, label=f"len ≥ {key.rsplit('_', 1)[1]}")
+        ax.set(title=f"{mode}: KV budget per cached-length bin", xlabel="step", ylabel="budget (tokens)")
+    _finish(fig, path, axes[0])
+    return True
+
+
+def write_plots(out: Path, runs: dict[str, list[dict]]) -> list[str]:
+    """Write the plots; return the names written (`PLOTS`, and `SCHEDULE_PLOT` when it applies)."""
     fig, ax = plt.subplots(figsize=(8, 4))
     _plot(ax, runs, "reward_mean")
     ax.set(title="Training reward (mean over seeds, band: min–max)", xlabel="step", ylabel="reward_mean")
@@ -113,3 +135,11 @@ def write_plots(out: Path, runs: dict[str, list[dict]]) -> None:
     left.set(title="Rollout time per step", xlabel="step", ylabel="seconds")
     _bars(right, runs, "rollout_total", "seconds", "Total rollout time")
     _finish(fig, out / "rollout_time.png", [left, right])
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    _plot(left, runs, "rejected_token_frac", scale=100)
+    _plot(right, runs, "rejected_seq_frac", scale=100)
+    left.set(title="Response tokens rejected by the applied filters", xlabel="step", ylabel="%")
+    right.set(title="Sequences removed whole by the applied filters", xlabel="step", ylabel="%")
+    _finish(fig, out / "rejection.png", [left, right])
+    return list(PLOTS) + ([SCHEDULE_PLOT] if _budget_schedules(out / SCHEDULE_PLOT, runs) else [])

@@ -10,6 +10,9 @@ what to do, every case that would mix two runs or resume the wrong one:
 - a second process on the same directory: an exclusive OS lock (`flock`), released on exit and on
   a crash, names the holder's pid.
 A run that fails before it has logged anything leaves no directory behind.
+
+`StopRequest` turns Ctrl-C and SIGTERM into a request the training loop honours at the next step
+boundary, after a checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,3 +152,29 @@ def _check_config(path: Path, config: ExperimentConfig, allow_change: bool) -> N
         raise ConfigError(f"--resume: the config differs from the run's saved one in {listing}. Resume with the "
                           "run's own settings, or pass --allow-config-change to continue with the new ones")
     warnings.warn(f"--allow-config-change: resuming {path} with changed settings: {listing}")
+
+
+class StopRequest:
+    """While active, SIGINT and SIGTERM set `requested` instead of killing the process, so the loop
+    can finish its step and checkpoint; a second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -49,7 +49,7 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
         logp_old = batched_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_ids.shape[1],
                                     micro_batch_size)
         result = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, CorrectionConfig())
-        vetoed += result.metrics["vetoed_sequences"]
+        vetoed += result.metrics["rejected_sequences"]
         rows += len(batch)
         unvetoed = float((batch.response_mask * result.seq_keep[:, None]).sum())
         alive += unvetoed

@@ -1,7 +1,7 @@
 """The GRPO trainer: prompts → rollouts (dense or sparse) → rewards → dense recompute → corrections → update.
 
-One `GRPOTrainer` runs every mode of SPEC §3.5; the mode only decides whether rollouts are
-compressed and which corrections apply (`mode_corrections`). Every step is a pure function of
+One `GRPOTrainer` runs every mode; the mode's preset (`sparserl.presets`) decides whether rollouts
+are compressed, and the config's resolved `correction` which corrections apply. Every step is a pure function of
 (weights, optimizer state, seed, step): prompts and sampling noise are seeded per step, which is
 what makes a resumed run repeat an uninterrupted one exactly.
 """
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
-import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -20,9 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .calibrate import calibrate_schedule
 from .checkpoint import TrainerState, load_trainer_state, save_checkpoint
-from .config import ExperimentConfig
+from .config import ExperimentConfig, calibration_budgets
 from .corrections import CorrectionConfig, compute_corrections, rejection_by_length
+from .presets import load_preset
 from .evaluate import decode_responses, greedy_scores
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
@@ -31,29 +30,23 @@ from .models import load_policy
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
-from .rollout.schedule import AdaptiveBudget
-from .run_dir import Resume, open_run_dir
+from .rollout.schedule import AdaptiveBudget, BinnedBudget
+from .run_dir import Resume, StopRequest, open_run_dir
 from .tasks.base import reward_columns, walk_metrics
 from .tasks.registry import max_new_tokens, task_from_config
 
-SPARSE_MODES = ("naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "sparrow")
 LENGTH_BUCKETS = 4
-# What Sparse-RL's default filters would flag, logged under these names in every mode (whatever the
-# mode applies) so that the mismatch is comparable across modes; `veto_frac` etc. are what was applied.
-FLAGGED_METRICS = {"veto_frac": "flagged_veto_frac", "band_mask_frac": "flagged_band_frac",
-                   "vetoed_sequences": "flagged_vetoed_sequences"}
+# What Sparse-RL's filters would flag, logged under these names in every mode (whatever the mode
+# applies) so that the mismatch is comparable across modes; the unprefixed metrics are what was applied.
+FLAGGED_METRICS = {"rejected_seq_frac": "flagged_veto_frac", "band_mask_frac": "flagged_band_frac",
+                   "rejected_sequences": "flagged_vetoed_sequences"}
+REFERENCE_CORRECTIONS = CorrectionConfig.sparse_rl()
+OUT_OF_RANGE_FRAC = 0.3  # a first-step filter rate above this says the regime is outside the method's range
 
 
-def mode_corrections(mode: str, base: CorrectionConfig) -> CorrectionConfig:
-    """Which of the configured corrections a mode applies; metrics are computed in every mode."""
-    off = dict(veto_threshold=None, band=None, is_mode="none", batch_normalize=False)
-    if mode in ("dense", "naive-sparse"):
-        return dataclasses.replace(base, **off)
-    if mode in ("sparse-tis", "sparrow"):  # sparrow: the reference's importance weights only, for now
-        return dataclasses.replace(base, veto_threshold=None, band=None)
-    if mode == "sparse-rs":
-        return dataclasses.replace(base, is_mode="none", batch_normalize=False)
-    return base
+class CorrectionsStarved(ValueError):
+    """Every response token was rejected for `max_rejected_steps` steps in a row. A ValueError, so the
+    command line reports it as a setting to change (mode, thresholds, budget), not as a crash."""
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -103,10 +96,13 @@ class GRPOTrainer:
         self.compression = KVCompression.from_rollout_config(config.rollout)
         if isinstance(self.compression.schedule, AdaptiveBudget) and self.state.kv_budgets:
             self.compression.schedule.budgets = list(self.state.kv_budgets)
-        sparse = config.train.mode in SPARSE_MODES
+        elif config.rollout.recalibrate_every and self.state.kv_budgets:  # the last recalibration's schedule
+            self.compression = dataclasses.replace(
+                self.compression, schedule=BinnedBudget(config.rollout.alpha_bin_size, tuple(self.state.kv_budgets)))
+        sparse = load_preset(config.train.mode).sparse_rollouts
         self.engine = RolloutEngine(self.model, self.compression if sparse else None,
                                     record_evictions=False, record_distributions=sparse)
-        self.corrections = mode_corrections(config.train.mode, config.correction)
+        self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
                                     run_name=self.run_dir.name, config=config.to_dict())
@@ -116,7 +112,7 @@ class GRPOTrainer:
     def train(self) -> TrainerState:
         """Run to `steps`; a SIGINT or SIGTERM stops at the next step boundary with a checkpoint."""
         cfg = self.config
-        stop = _StopRequest()
+        stop = StopRequest()
         failed = True
         try:
             with stop:
@@ -174,6 +170,7 @@ class GRPOTrainer:
         sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
                                   eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id)
+        recalibration = self._recalibrate(step) if self._recalibrates_at(step) else {}
         budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
         batch = self.engine.generate(prompts, sampling, generator)
         texts = decode_responses(self.tokenizer, batch)
@@ -207,8 +204,8 @@ class GRPOTrainer:
             self.state.kv_budgets = list(self.compression.schedule.budgets)
         corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
         # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
-        flagged = corrections if self.corrections == cfg.correction else \
-            compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, cfg.correction)
+        flagged = corrections if self.corrections == REFERENCE_CORRECTIONS else \
+            compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, REFERENCE_CORRECTIONS)
         included = None if cfg.train.rejected_in_baseline else corrections.seq_keep
         advantages = group_advantages(rewards, group, included)
         recompute_s = time.perf_counter() - recompute_started
@@ -216,8 +213,13 @@ class GRPOTrainer:
         update_started = time.perf_counter()
         keep = corrections.keep_mask
         rejected = 1.0 - float(keep.sum()) / max(float(batch.response_mask.sum()), 1.0)
-        starving = (self.corrections.veto_threshold is not None or self.corrections.band is not None) \
-            and rejected > cfg.train.warn_rejected_frac
+        filter_rates = {k: v for k, v in corrections.metrics.items() if k.startswith("applied_")}
+        if step == 1 and any(v > OUT_OF_RANGE_FRAC for v in filter_rates.values()):
+            worst = max(filter_rates, key=filter_rates.get)
+            warnings.warn(f"step 1: {worst} = {filter_rates[worst]:.0%} (> {OUT_OF_RANGE_FRAC:.0%}): the sparse-vs-dense "
+                          f"mismatch is likely outside the range of mode {cfg.train.mode}'s filters; consider a larger "
+                          "--kv-budget, a calibrated --kv-schedule, or a mode without rejection (docs/results.md)")
+        starving = bool(filter_rates) and rejected > cfg.train.warn_rejected_frac
         if starving:
             self.state.starving_steps += 1
             if not self._starve_warned:  # once per run; the count is in the metrics and the summary
@@ -226,6 +228,13 @@ class GRPOTrainer:
                               f"(warn_rejected_frac={cfg.train.warn_rejected_frac}); training may starve. "
                               "Further such steps are counted in `starving_steps`, not warned about")
         skipped = float(keep.sum()) == 0
+        self.state.rejected_in_a_row = self.state.rejected_in_a_row + 1 if skipped else 0
+        if self.state.rejected_in_a_row >= cfg.train.max_rejected_steps:
+            raise CorrectionsStarved(
+                f"step {step}: the corrections rejected every response token for {self.state.rejected_in_a_row} steps "
+                f"in a row (max_rejected_steps={cfg.train.max_rejected_steps}); mode {cfg.train.mode} cannot train in "
+                "this regime. Loosen its filters (--veto-threshold, --band, --seq-geo-bounds, --seq-k3-max), raise "
+                f"--kv-budget, or use a mode without rejection. The last checkpoint is in {self.run_dir}")
         if skipped:
             self.state.skipped_steps += 1
             warnings.warn(f"step {step}: every response token was rejected; skipping the update "
@@ -237,7 +246,9 @@ class GRPOTrainer:
                                   first_forward)
         update_s = time.perf_counter() - update_started
 
-        diagnostics = _flagged_vs_kept(rewards, batch.response_lengths, flagged.seq_keep)
+        diagnostics = {**_kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),
+                       **_kept_vs_rejected(rewards, batch.response_lengths, corrections.seq_keep, "", "rejected"),
+                       **_kept_advantages(advantages, keep)}
         diagnostics.update(walk_metrics(self.task, texts, examples, group))
         counts = self.reward.pop_counts()  # failures, timeouts and each reward function's mean
         self.state.reward_failures += counts["reward_failures"]
@@ -253,6 +264,7 @@ class GRPOTrainer:
             **diagnostics,
             **acceptance,
             **budgets_used,
+            **recalibration,
             "rejected_token_frac": rejected,
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
             "starving_steps": self.state.starving_steps,
@@ -321,6 +333,29 @@ class GRPOTrainer:
             "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
         }
 
+    def _recalibrates_at(self, step: int) -> bool:
+        every = self.config.rollout.recalibrate_every
+        # Steps 1, N+1, 2N+1, ...; step 1 only when no schedule file was given to start from.
+        return bool(every) and (step - 1) % every == 0 and (step > 1 or not self.config.rollout.kv_schedule)
+
+    def _recalibrate(self, step: int) -> dict[str, float]:
+        """Sparrow's calibration on the current weights and this step's prompts; the schedule it finds
+        replaces the one in force from this step on."""
+        rollout = self.config.rollout
+        started = time.perf_counter()
+        self.model.eval()
+        examples = self.task.examples(rollout.calibration_prompts, seed=step_seed(self.config.train.seed, step),
+                                      split="train")
+        found = calibrate_schedule(self.model, self.tokenizer, self.max_new_tokens, rollout, examples,
+                                   calibration_budgets(rollout),
+                                   rollout.alpha_tau, rollout.alpha_bin_size, rollout.calibration_samples,
+                                   step_seed(self.config.train.seed, step), progress=False)
+        self.compression = dataclasses.replace(self.compression, schedule=found.schedule)
+        self.engine.compression = self.compression
+        self.state.kv_budgets = list(found.schedule.budgets)
+        return {"recalibrated": 1, "recalibrate_s": time.perf_counter() - started,
+                "recalibration_unmet_bins": len(found.unmet_bins)}
+
     def _schedule_metrics(self) -> dict[str, float]:
         """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
         schedule = self.engine.compression.schedule if self.engine.compression else None
@@ -333,37 +368,25 @@ class GRPOTrainer:
         return [math.ceil(top * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]
 
 
-def _flagged_vs_kept(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: torch.Tensor) -> dict[str, float]:
-    """Reward and length of the rollouts the veto would keep vs reject: does it separate good from bad?"""
+def _kept_vs_rejected(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: torch.Tensor, prefix: str,
+                      rejected: str) -> dict[str, float]:
+    """Reward and length of the rollouts a filter keeps vs removes whole: does it separate good from bad?"""
     out = {}
-    for name, rows in (("kept", seq_keep), ("vetoed", ~seq_keep)):
+    for name, rows in (("kept", seq_keep), (rejected, ~seq_keep)):
         if bool(rows.any()):
-            out[f"reward_{name}_mean"] = float(rewards[rows].mean())
-            out[f"response_len_{name}_mean"] = float(lengths[rows].float().mean())
+            out[f"{prefix}reward_{name}_mean"] = float(rewards[rows].mean())
+            out[f"{prefix}response_len_{name}_mean"] = float(lengths[rows].float().mean())
     return out
 
 
-class _StopRequest:
-    """While active, SIGINT and SIGTERM set `requested` instead of killing the process, so the loop
-    can finish its step and checkpoint; a second signal interrupts at once."""
+def _kept_advantages(advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    """The advantages that still train after the filters. Group advantages sum to 0; a filter that
+    removes more of one sign leaves a net push (`kept_advantage_sum` ≠ 0) on the kept rows.
 
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> _StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-              "(send it again to stop at once)", file=sys.stderr)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    advantages: [B]; keep: [B, T] 0/1.
+    """
+    rows = keep.sum(dim=1) > 0
+    kept = advantages[rows]
+    return {"kept_advantage_sum": float(kept.sum()),
+            "kept_advantage_mean": float(kept.mean()) if len(kept) else 0.0,
+            "kept_advantage_token_mean": float((advantages[:, None] * keep).sum() / keep.sum().clamp(min=1))}

@@ -1,0 +1,139 @@
+"""Training modes as named presets: whether rollouts are sparse, and which corrections apply.
+
+`--mode NAME` picks a built-in preset, or `--mode FILE.yaml` a user's own:
+
+    name: my-geo-rs              # what compare and the report call it (default: the file's stem)
+    base: geo-rs                 # optional: start from a built-in preset
+    sparse_rollouts: true        # optional when `base` is given
+    correction: {seq_geo_bounds: [0.8, 1.25], is_mode: truncate}
+
+The preset sets every correction field; a field given in the config file or on the command line
+(`--veto-threshold`, `--band`, ...) overrides it. `sparse-rl` is the reference and stays as the
+paper has it; the `sparrow` preset carries the recommended correction (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .corrections import CorrectionConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    sparse_rollouts: bool  # rollouts with the compressed KV cache, else dense ones
+    correction: CorrectionConfig
+    summary: str
+    needs_schedule: bool = False  # needs --kv-schedule (a calibrated file or `adaptive`)
+    # A YAML preset's correction fields as written (the config module coerces them); empty for built-ins.
+    correction_overrides: dict = dataclasses.field(default_factory=dict)
+
+
+def _builtin(name: str, sparse: bool, make: Callable[[], CorrectionConfig], summary: str,
+             needs_schedule: bool = False) -> Preset:
+    return Preset(name, sparse, make(), summary, needs_schedule)
+
+
+# The recommended correction, chosen on the built-in experiment (docs/results.md, "Corrections").
+RECOMMENDED = "sparse-tis"
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    _builtin("dense", False, CorrectionConfig.off, "dense rollouts, no correction (the baseline)"),
+    _builtin("naive-sparse", True, CorrectionConfig.off, "sparse rollouts, no correction"),
+    _builtin("sparse-rl", True, CorrectionConfig.sparse_rl,
+             "Sparse-RL as published: sequence veto 1e-4, band [0.5, 1.5], batch-normalised TIS"),
+    _builtin("sparse-tis", True, CorrectionConfig.sparse_tis, "Sparse-RL's importance weights alone"),
+    _builtin("sparse-rs", True, CorrectionConfig.sparse_rs, "Sparse-RL's rejection alone (veto and band)"),
+    _builtin("geo-rs", True, CorrectionConfig.geo_rs, "verl's Geo-RS: geometric-mean sequence filter plus veto"),
+    _builtin("k3-rs", True, CorrectionConfig.k3_rs, "verl's seq_mean_k3: mean-k3 sequence filter"),
+    _builtin("seq-mask-tis", True, CorrectionConfig.seq_mask_tis,
+             "OpenRLHF/NeMo-RL seq-mask-tis: geometric-mean sequence mask plus token TIS"),
+    _builtin("prefix-veto-tis", True, CorrectionConfig.prefix_veto_tis,
+             "Sparse-RL's TIS with a prefix veto: mask from the first ξ < 1e-4 onward"),
+)}
+PRESETS["sparrow"] = Preset("sparrow", True, PRESETS[RECOMMENDED].correction,
+                            f"scheduled sparse rollouts (--kv-schedule) with the recommended correction ({RECOMMENDED})",
+                            needs_schedule=True)
+
+
+class PresetError(ValueError):
+    pass
+
+
+def load_preset(mode: str) -> Preset:
+    """A built-in preset by name, or a user's preset from a YAML file."""
+    if mode in PRESETS:
+        return PRESETS[mode]
+    path = Path(mode)
+    if path.suffix not in (".yaml", ".yml"):
+        raise PresetError(f"mode {mode!r} is unknown; choose one of {', '.join(PRESETS)} or give a preset YAML file")
+    if not path.is_file():
+        raise PresetError(f"mode {mode!r}: preset file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise PresetError(f"preset file {path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise PresetError(f"preset file {path} must hold a mapping (name, base, sparse_rollouts, correction)")
+    unknown = set(data) - {"name", "base", "sparse_rollouts", "correction", "summary"}
+    if unknown:
+        raise PresetError(f"preset file {path}: unknown keys {', '.join(sorted(unknown))}; "
+                          "allowed: name, base, sparse_rollouts, correction, summary")
+    base = data.get("base")
+    if base is not None and base not in PRESETS:
+        raise PresetError(f"preset file {path}: base {base!r} is not a built-in preset ({', '.join(PRESETS)})")
+    parent = PRESETS[base] if base else None
+    if parent is None and "sparse_rollouts" not in data:
+        raise PresetError(f"preset file {path}: set sparse_rollouts (true/false) or a base preset")
+    fields = {f.name for f in dataclasses.fields(CorrectionConfig)}
+    overrides = data.get("correction") or {}
+    if not isinstance(overrides, dict) or set(overrides) - fields:
+        bad = sorted(set(overrides) - fields) if isinstance(overrides, dict) else overrides
+        raise PresetError(f"preset file {path}: correction must map correction fields to values; unknown: {bad}; "
+                          f"fields: {', '.join(sorted(fields))}")
+    sparse = data.get("sparse_rollouts", parent.sparse_rollouts if parent else None)
+    if not isinstance(sparse, bool):
+        raise PresetError(f"preset file {path}: sparse_rollouts must be true or false, got {sparse!r}")
+    return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse,
+                  correction=parent.correction if parent else CorrectionConfig.off(),
+                  summary=str(data.get("summary", f"user preset from {path}")),
+                  needs_schedule=parent.needs_schedule if parent else False, correction_overrides=dict(overrides))
+
+
+def preset_name(mode: str) -> str:
+    """What a run of this mode is called in compare's directories and the report."""
+    return mode if mode in PRESETS else load_preset(mode).name
+
+
+def describe(correction: CorrectionConfig) -> str:
+    """A one-line account of what a correction config filters and how it weights."""
+    parts = []
+    if correction.veto_threshold is not None:
+        parts.append(f"{correction.veto_scope} veto ξ < {correction.veto_threshold:g}")
+    if correction.band is not None:
+        parts.append(f"token mask ξ ∉ [{correction.band[0]:g}, {correction.band[1]:g}]")
+    if correction.seq_geo_bounds is not None:
+        parts.append(f"geometric mean ∉ [{correction.seq_geo_bounds[0]:g}, {correction.seq_geo_bounds[1]:g}]")
+    if correction.seq_k3_max is not None:
+        parts.append(f"mean k3 > {correction.seq_k3_max:g}")
+    if correction.seq_log_ratio_max is not None:
+        parts.append(f"max |log ξ| > {correction.seq_log_ratio_max:g}")
+    weights = "unit weights" if correction.is_mode == "none" else \
+        f"{correction.is_level} IS, {correction.is_mode} at {correction.is_cap:g}" + \
+        (", batch-normalised" if correction.batch_normalize else "")
+    return ("rejects " + "; ".join(parts) if parts else "no filter") + "; " + weights
+
+
+def presets_table() -> str:
+    """The built-in presets as a Markdown table (`sparserl presets`)."""
+    rows = ["| mode | rollouts | corrections | what it is |", "|---|---|---|---|"]
+    for preset in PRESETS.values():
+        rollouts = "sparse, scheduled" if preset.needs_schedule else "sparse" if preset.sparse_rollouts else "dense"
+        rows.append(f"| `{preset.name}` | {rollouts} | {describe(preset.correction)} | {preset.summary} |")
+    return "\n".join(rows)

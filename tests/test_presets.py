@@ -1,0 +1,52 @@
+"""Presets: each mode's rollouts and corrections as the literature defines them, and the listing."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparserl.cli import main
+from sparserl.config import load_config
+from sparserl.presets import PRESETS, RECOMMENDED
+
+OFF = dict(veto_threshold=None, veto_scope="sequence", band=None, seq_geo_bounds=None, seq_k3_max=None,
+           seq_log_ratio_max=None, is_mode="none", is_cap=1.5, is_level="token", batch_normalize=False)
+TIS = dict(is_mode="truncate", is_cap=1.5, batch_normalize=True)
+EXPECTED = {  # mode: (sparse rollouts, fields that differ from "off")
+    "dense": (False, {}),
+    "naive-sparse": (True, {}),
+    "sparse-rl": (True, dict(veto_threshold=1e-4, band=(0.5, 1.5), **TIS)),  # the paper, unchanged
+    "sparse-tis": (True, TIS),
+    "sparse-rs": (True, dict(veto_threshold=1e-4, band=(0.5, 1.5))),
+    "geo-rs": (True, dict(veto_threshold=1e-4, seq_geo_bounds=(0.905, 1.105))),
+    "k3-rs": (True, dict(seq_k3_max=0.1)),
+    "seq-mask-tis": (True, dict(seq_geo_bounds=(0.905, 1.105), is_mode="truncate", is_cap=2.0)),
+    "prefix-veto-tis": (True, dict(veto_threshold=1e-4, veto_scope="prefix", **TIS)),
+}
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_each_preset_is_what_it_says(mode):
+    sparse, fields = EXPECTED[mode]
+    config = load_config(overrides={"mode": mode})
+    assert PRESETS[mode].sparse_rollouts is sparse
+    assert {k: getattr(config.correction, k) for k in OFF} == {**OFF, **fields}
+
+
+def test_sparrow_uses_the_recommended_correction_and_needs_a_schedule(tmp_path):
+    assert PRESETS["sparrow"].correction == PRESETS[RECOMMENDED].correction and PRESETS["sparrow"].needs_schedule
+    with pytest.raises(ValueError, match="needs --kv-schedule"):
+        load_config(overrides={"mode": "sparrow"})
+
+
+def test_a_flag_overrides_the_preset():
+    config = load_config(overrides={"mode": "sparse-rl", "veto_threshold": "1e-6", "veto_scope": "prefix"})
+    assert (config.correction.veto_threshold, config.correction.veto_scope, config.correction.band) == \
+        (1e-6, "prefix", (0.5, 1.5))
+
+
+def test_presets_command_lists_every_mode(capsys):
+    assert main(["presets"]) == 0
+    printed = capsys.readouterr().out
+    for mode in PRESETS:
+        assert f"| `{mode}` |" in printed
+    assert "prefix veto ξ < 0.0001" in printed
