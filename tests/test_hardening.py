@@ -154,7 +154,9 @@ def test_a_bad_line_inside_the_metrics_names_the_file_and_line(tmp_path):
     (["--kv-policy", "snapkv", "--kv-lambda", "0.3"], ["--kv-lambda", "snapkv", "rkv"]),
     (["--kv-policy", "h2o", "--kv-sinks", "2"], ["--kv-sinks", "streamingllm"]),
     (["--keep-checkpoints", "0"], ["keep_checkpoints", ">= 1"]),
-    (["--mode", "sparrow"], ["--mode sparrow needs --kv-schedule", "sparserl calibrate"]),
+    (["--mode", "geo_rs"], ["mode 'geo_rs' is unknown", "geo-rs", "preset YAML"]),
+    (["--mode", "sparrow", "--kv-schedule", "adaptive", "--recalibrate-every", "2"], ["--recalibrate-every", "choose one"]),
+    (["--mode", "dense", "--distill-sparse", "true"], ["--distill-sparse needs sparse rollouts"]),
     (["--kv-schedule", "/nonexistent/schedule.yaml"], ["--kv-schedule", "/nonexistent/schedule.yaml"]),
 ])
 def test_bad_settings_are_refused_at_load(tiny_model_dir, tmp_path, capsys, extra, needles):

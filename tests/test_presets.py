@@ -32,10 +32,12 @@ def test_each_preset_is_what_it_says(mode):
     assert {k: getattr(config.correction, k) for k in OFF} == {**OFF, **fields}
 
 
-def test_sparrow_uses_the_recommended_correction_and_needs_a_schedule(tmp_path):
+def test_sparrow_uses_the_recommended_correction_and_a_schedule(tmp_path):
     assert PRESETS["sparrow"].correction == PRESETS[RECOMMENDED].correction and PRESETS["sparrow"].needs_schedule
-    with pytest.raises(ValueError, match="needs --kv-schedule"):
-        load_config(overrides={"mode": "sparrow"})
+    assert load_config(overrides={"mode": "sparrow"}).rollout.kv_schedule == "adaptive"  # no file: adapt online
+    (tmp_path / "s.yaml").write_text("bin_size: 16\nbudgets: [40, 80]\n")
+    assert load_config(overrides={"mode": "sparrow", "kv_schedule": str(tmp_path / "s.yaml")}).rollout.kv_schedule \
+        == str(tmp_path / "s.yaml")
 
 
 def test_a_flag_overrides_the_preset():

@@ -42,7 +42,8 @@ class TrainerState:
 
 
 def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimizer: torch.optim.Optimizer,
-                    config: ExperimentConfig, keep: int) -> Path:
+                    config: ExperimentConfig, keep: int, adapter=None) -> Path:
+    """`adapter`: DistillSparse's `SamplerAdapter`, saved beside the policy, whose weights go without it."""
     if keep < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     root = run_dir / CHECKPOINT_DIR
@@ -52,7 +53,12 @@ def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimi
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp / "policy", safe_serialization=True)
+    model.save_pretrained(tmp / "policy", safe_serialization=True,
+                          state_dict=adapter.policy_state_dict() if adapter is not None else None)
+    if adapter is not None:
+        from .distill_sparse import ADAPTER_DIR
+
+        adapter.save(tmp / ADAPTER_DIR)
     tokenizer.save_pretrained(tmp / "policy")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")

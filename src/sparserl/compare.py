@@ -9,6 +9,7 @@ stopped, and a comparison rerun with more seeds or modes only runs what is new.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -109,10 +110,11 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
     trainer.model.eval()
     # The trainer's own compression: an adaptive schedule is evaluated with the budgets it trained to.
     for inference, compression in (("dense", None), ("sparse", trainer.compression)):
-        result[inference] = evaluate_policy(trainer.model, trainer.tokenizer, trainer.task, trainer.eval_examples,
-                                            trainer.max_new_tokens, compression, samples=0,
-                                            temperature=config.rollout.temperature, seed=config.train.seed,
-                                            progress=True)
+        with trainer.sampler() if compression else contextlib.nullcontext():  # DistillSparse's adapter, if any
+            result[inference] = evaluate_policy(trainer.model, trainer.tokenizer, trainer.task,
+                                                trainer.eval_examples, trainer.max_new_tokens, compression, samples=0,
+                                                temperature=config.rollout.temperature, seed=config.train.seed,
+                                                progress=True)
     tmp = run_dir / (FINAL_EVAL + ".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(run_dir / FINAL_EVAL)

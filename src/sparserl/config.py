@@ -93,6 +93,12 @@ class TrainConfig:
     warn_rejected_frac: float = 0.5  # warn once when corrections reject more than this fraction of tokens
     max_rejected_steps: int = 3  # stop with an error after this many consecutive steps whose every token was rejected
     micro_batch_size: int = 64  # rows per forward in recompute and update; bounds memory
+    distill_sparse: bool = False  # DistillSparse: a LoRA active only in the sparse sampler, trained toward the dense policy
+    distill_rank: int = 8  # DistillSparse LoRA rank
+    distill_alpha: float = 16.0  # DistillSparse LoRA alpha (scale alpha / rank)
+    distill_lr: float = 1e-4  # DistillSparse adapter learning rate (AdamW)
+    distill_kl_coef: float = 1.0  # weight λ of KL(dense ‖ sparse) in the adapter's loss
+    distill_target_modules: str = "all-linear"  # layers the adapter wraps: all-linear, or comma-separated module names
     reward_funcs: str = "task"  # comma-separated rewards: task (the task's own) and MODULE:FUNCTION or FILE.py:FUNCTION
     reward_weights: str = ""  # comma-separated weights, one per reward function (default: all 1)
     reward_timeout: float = 10.0  # seconds a reward function may take for one batch before its worker is killed
@@ -251,6 +257,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     except (TypeError, ValueError) as error:
         raise ConfigError(str(error)) from None
     config = ExperimentConfig(**built)
+    if load_preset(config.train.mode).needs_schedule and not config.rollout.kv_schedule \
+            and not config.rollout.recalibrate_every:
+        # A scheduled mode with neither a calibrated file nor recalibration adapts its budgets online.
+        config.rollout.kv_schedule = "adaptive"
     validate(config)
     return config
 
@@ -329,10 +339,12 @@ def validate(config: ExperimentConfig) -> None:
         if not ok:
             raise ConfigError(message)
     _validate_kv_policy(config.rollout)
-    if load_preset(config.train.mode).needs_schedule and not config.rollout.kv_schedule:
-        raise ConfigError(f"--mode {config.train.mode} needs --kv-schedule FILE (write one with `sparserl calibrate`) "
-                          "or --kv-schedule adaptive")
     _validate_recalibration(config.rollout)
+    if config.train.distill_sparse and not load_preset(config.train.mode).sparse_rollouts:
+        raise ConfigError(f"--distill-sparse needs sparse rollouts; mode {config.train.mode} samples densely")
+    if config.train.distill_sparse and (config.train.distill_rank < 1 or config.train.distill_lr <= 0
+                                        or config.train.distill_kl_coef < 0):
+        raise ConfigError("distill_rank must be >= 1, distill_lr > 0 and distill_kl_coef >= 0")
     if config.rollout.recalibrate_every and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--recalibrate-every needs sparse rollouts; mode {config.train.mode} samples densely")
     if config.rollout.kv_schedule and config.rollout.kv_schedule != "adaptive":

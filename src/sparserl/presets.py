@@ -30,7 +30,7 @@ class Preset:
     sparse_rollouts: bool  # rollouts with the compressed KV cache, else dense ones
     correction: CorrectionConfig
     summary: str
-    needs_schedule: bool = False  # needs --kv-schedule (a calibrated file or `adaptive`)
+    needs_schedule: bool = False  # runs under --kv-schedule (a calibrated file; `adaptive` when none is given)
     # A YAML preset's correction fields as written (the config module coerces them); empty for built-ins.
     correction_overrides: dict = dataclasses.field(default_factory=dict)
 

@@ -17,18 +17,23 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
+def response_log_distributions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               prompt_width: int) -> torch.Tensor:
+    """Float32 log-distributions `[N, T, V]` over the next token at every response position."""
+    response_width = input_ids.shape[1] - prompt_width
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=positions_from_mask(attention_mask), use_cache=False,
+                    logits_to_keep=response_width + 1)
+    return torch.log_softmax(outputs.logits[:, :-1].float(), dim=-1)
+
+
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[N, T]` of `input_ids[:, P:]` given everything before; entropy `[N, T]` if asked.
 
     input_ids, attention_mask: `[N, P + T]`. Gradients flow if the caller has them enabled.
     """
-    response_width = input_ids.shape[1] - prompt_width
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=positions_from_mask(attention_mask), use_cache=False,
-                    logits_to_keep=response_width + 1)
-    logits = outputs.logits[:, :-1].float()
-    log_probs = torch.log_softmax(logits, dim=-1)
+    log_probs = response_log_distributions(model, input_ids, attention_mask, prompt_width)
     targets = input_ids[:, prompt_width:]
     token_logprobs = log_probs.gather(2, targets[..., None]).squeeze(-1)
     entropy = None

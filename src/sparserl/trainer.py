@@ -8,6 +8,7 @@ what makes a resumed run repeat an uninterrupted one exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from .calibrate import calibrate_schedule
 from .checkpoint import TrainerState, load_trainer_state, save_checkpoint
 from .config import ExperimentConfig, calibration_budgets
+from .distill_sparse import ADAPTER_DIR, SamplerAdapter, distill_config
 from .corrections import CorrectionConfig, compute_corrections, rejection_by_length
 from .presets import load_preset
 from .evaluate import decode_responses, greedy_scores
@@ -88,7 +90,14 @@ class GRPOTrainer:
         self.reward = RewardRunner.from_spec(config.train.reward_funcs, config.train.reward_weights, self.task.reward,
                                              timeout_s=config.train.reward_timeout,
                                              max_failure_frac=config.train.max_reward_failure_frac)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.train.lr,
+        self.adapter = None
+        if config.train.distill_sparse:
+            self.adapter = SamplerAdapter(self.model, distill_config(config.train))
+            if checkpoint is not None:
+                self.adapter.load(checkpoint / ADAPTER_DIR)
+        policy_parameters = [p for name, p in self.model.named_parameters()
+                             if self.adapter is None or self.adapter.is_policy_parameter(name)]
+        self.optimizer = torch.optim.AdamW(policy_parameters, lr=config.train.lr,
                                            weight_decay=config.train.weight_decay)
         self.state = TrainerState()
         if checkpoint is not None:
@@ -101,7 +110,8 @@ class GRPOTrainer:
                 self.compression, schedule=BinnedBudget(config.rollout.alpha_bin_size, tuple(self.state.kv_budgets)))
         sparse = load_preset(config.train.mode).sparse_rollouts
         self.engine = RolloutEngine(self.model, self.compression if sparse else None,
-                                    record_evictions=False, record_distributions=sparse)
+                                    record_evictions=self.adapter is not None,  # DistillSparse's replay needs them
+                                    record_distributions=sparse)
         self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
@@ -130,7 +140,7 @@ class GRPOTrainer:
                         self.logger.log(record)
                         if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or stop.requested:
                             save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.optimizer,
-                                            cfg, cfg.output.keep_checkpoints)
+                                            cfg, cfg.output.keep_checkpoints, self.adapter)
                         bar.update(1)
                         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
                                         len=f"{record['response_len_mean']:.0f}")
@@ -152,10 +162,15 @@ class GRPOTrainer:
             inferences["sparse"] = self.compression
         result = {}
         for inference, compression in inferences.items():
-            scores = greedy_scores(self.model, self.tokenizer, self.task, self.eval_examples, self.max_new_tokens,
-                                   compression=compression)
+            with self.sampler() if compression else contextlib.nullcontext():
+                scores = greedy_scores(self.model, self.tokenizer, self.task, self.eval_examples,
+                                       self.max_new_tokens, compression=compression)
             result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
         return result
+
+    def sampler(self):
+        """Context of the sparse sampler: DistillSparse's adapter on inside (nothing without one)."""
+        return self.adapter.active() if self.adapter is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict[str, float]:
@@ -172,7 +187,8 @@ class GRPOTrainer:
                                   pad_token_id=self.tokenizer.pad_token_id)
         recalibration = self._recalibrate(step) if self._recalibrates_at(step) else {}
         budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
-        batch = self.engine.generate(prompts, sampling, generator)
+        with self.sampler():
+            batch = self.engine.generate(prompts, sampling, generator)
         texts = decode_responses(self.tokenizer, batch)
         completion_ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
         rewards = torch.tensor(self.reward(prompts=[e.prompt for e in examples for _ in range(group)], completions=texts,
@@ -244,6 +260,8 @@ class GRPOTrainer:
         else:
             update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator,
                                   first_forward)
+            if self.adapter is not None:
+                update.update(self.adapter.train_step(batch, advantages, mb))
         update_s = time.perf_counter() - update_started
 
         diagnostics = {**_kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),

@@ -10,6 +10,8 @@ which DistillSparse trains through.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..recompute import response_logprobs
@@ -60,19 +62,27 @@ class _ReplayAttention:
         pass
 
 
+@contextmanager
+def replay_attention(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None):
+    """Inside, a teacher-forced forward of `batch.input_ids[rows]` sees what the sparse sampler saw."""
+    rows = slice(None) if rows is None else rows
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    windows = [getattr(config, "sliding_window", None) if t == "sliding_attention" else None
+               for t in layer_types[: config.num_hidden_layers]]
+    events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
+    masks = replay_masks(batch.attention_mask[rows], events, config.num_hidden_layers, windows)
+    with masked_attention(model, _ReplayAttention(masks)):
+        yield
+
+
 def replay_logprobs(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
     """Sparse-sampler log-probs `[n, T]` of `batch`'s responses by one masked forward.
 
     Gradients flow if enabled by the caller. `rows` selects a subset (micro-batching).
     """
     rows = slice(None) if rows is None else rows
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    windows = [getattr(config, "sliding_window", None) if t == "sliding_attention" else None
-               for t in layer_types[: config.num_hidden_layers]]
-    attention_mask = batch.attention_mask[rows]
-    events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
-    masks = replay_masks(attention_mask, events, config.num_hidden_layers, windows)
-    with masked_attention(model, _ReplayAttention(masks)):
-        logprobs, _ = response_logprobs(model, batch.input_ids[rows], attention_mask, batch.prompt_ids.shape[1])
+    with replay_attention(model, batch, rows):
+        logprobs, _ = response_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
+                                        batch.prompt_ids.shape[1])
     return logprobs

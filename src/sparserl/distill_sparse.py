@@ -1,0 +1,163 @@
+"""DistillSparse (Sparrow, SPEC §4): a LoRA adapter that is active only in the sparse sampler.
+
+The adapter (peft LoRA, B = 0 at start, so the sampler starts as the policy) is switched on only
+while the sparse engine samples (and for sparse-inference evaluation). The dense recompute of
+π_old, the learner's update, the reference and α's dense side all see the plain policy. After each
+policy update the adapter is trained on that step's rollouts through the exact replay of the
+sparse sampler (which has gradients), with Sparrow's L_LoRA:
+
+    PPO loss of the sparse forward against the sampler's recorded log-probs
+    + λ · KL(π_dense ‖ π_sparse) summed over the vocabulary at every response position,
+
+with π_dense the freshly updated policy. So the sparse sampler is pulled toward the dense policy,
+and a smaller budget can reach the same acceptance-rate tail. Only the adapter's parameters move;
+the policy's weights are saved without it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .grpo import ppo_loss, token_coefficients
+from .recompute import micro_batches, response_log_distributions
+from .rollout.engine import RolloutBatch
+from .rollout.replay import replay_attention
+
+ADAPTER_NAME = "sampler"
+ADAPTER_DIR = "sampler_adapter"  # inside a checkpoint
+
+
+@dataclass
+class DistillConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    lr: float = 1e-4
+    kl_coef: float = 1.0
+    target_modules: str = "all-linear"
+    clip_eps: float = 0.2
+    grad_clip: float = 1.0
+    loss_agg: str = "seq-mean-token-mean"
+
+
+def distill_config(train) -> DistillConfig:
+    """The `distill_*` fields of a `TrainConfig`, with its PPO clip, grad clip and loss aggregation."""
+    return DistillConfig(rank=train.distill_rank, alpha=train.distill_alpha, lr=train.distill_lr,
+                         kl_coef=train.distill_kl_coef, target_modules=train.distill_target_modules,
+                         clip_eps=train.clip_eps, grad_clip=train.grad_clip, loss_agg=train.loss_agg)
+
+
+class SamplerAdapter:
+    """The LoRA of the sparse sampler, injected into the policy model and disabled outside `active()`."""
+
+    def __init__(self, model, config: DistillConfig):
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = config.target_modules if config.target_modules == "all-linear" else \
+            [name.strip() for name in config.target_modules.split(",") if name.strip()]
+        lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=targets,
+                          init_lora_weights=True)
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        inject_adapter_in_model(lora, model, adapter_name=ADAPTER_NAME)
+        # peft freezes everything but adapters; the policy's own weights must stay trainable.
+        for name, parameter in model.named_parameters():
+            if name.replace(".base_layer.", ".") in trainable:
+                parameter.requires_grad_(True)
+        self.model = model
+        self.config = config
+        self.parameters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
+        if not self.parameters:
+            raise ValueError(f"distill_target_modules {config.target_modules!r} matched no layer of the model")
+        self.optimizer = torch.optim.AdamW(self.parameters.values(), lr=config.lr, weight_decay=0.0)
+        self._set(False)
+
+    # ------------------------------------------------------------------ switching
+    def _set(self, enabled: bool) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in self.model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.enable_adapters(enabled)
+        for parameter in self.parameters.values():  # peft ties requires_grad to enabled; we train outside too
+            parameter.requires_grad_(True)
+
+    @contextmanager
+    def active(self):
+        """The sparse sampler: the adapter on, for what runs inside."""
+        self._set(True)
+        try:
+            yield
+        finally:
+            self._set(False)
+
+    def is_policy_parameter(self, name: str) -> bool:
+        return name not in self.parameters
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: RolloutBatch, advantages: torch.Tensor, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step of L_LoRA on `batch` (rollouts of the adapted sampler); metrics back.
+
+        advantages: [N] (the step's group advantages).
+        """
+        cfg = self.config
+        width = batch.prompt_ids.shape[1]
+        coefficients = token_coefficients(batch.response_mask, cfg.loss_agg)  # [N, T]
+        grads = {name: torch.zeros_like(p) for name, p in self.parameters.items()}
+        totals = {"distill_pg_loss": 0.0, "distill_kl": 0.0, "distill_logp_gap": 0.0}
+        self.model.train()
+        for rows in micro_batches(len(batch), micro_batch_size):
+            with torch.no_grad():  # the dense side: the updated policy, adapter off
+                dense = response_log_distributions(self.model, batch.input_ids[rows], batch.attention_mask[rows],
+                                                   width)
+            with self.active(), replay_attention(self.model, batch, rows):
+                sparse = response_log_distributions(self.model, batch.input_ids[rows], batch.attention_mask[rows],
+                                                    width)
+            targets = batch.input_ids[rows, width:]
+            logp_sparse = sparse.gather(2, targets[..., None]).squeeze(-1)
+            kl = (dense.exp() * (dense - sparse)).sum(dim=-1)  # [n, T], KL(dense ‖ sparse) per position
+            weights = torch.ones_like(logp_sparse)
+            terms = ppo_loss(logp_sparse, batch.sampler_logprobs[rows], advantages[rows], weights, coefficients[rows],
+                             cfg.clip_eps, cfg.clip_eps)
+            kl_term = (coefficients[rows] * kl).sum()
+            loss = terms.loss + cfg.kl_coef * kl_term
+            # Gradients for the adapter only: the policy's weights must not collect any.
+            for (name, grad), part in zip(grads.items(), torch.autograd.grad(loss, list(self.parameters.values()))):
+                grad += part
+            totals["distill_pg_loss"] += float(terms.pg_loss)
+            totals["distill_kl"] += float(kl_term)
+            gap = (logp_sparse.detach() - dense.gather(2, targets[..., None]).squeeze(-1)).abs()
+            totals["distill_logp_gap"] += float((gap * batch.response_mask[rows]).sum())
+        totals["distill_logp_gap"] /= max(float(batch.response_mask.sum()), 1.0)
+        for name, parameter in self.parameters.items():
+            parameter.grad = grads[name]
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters.values(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        return {**totals, "distill_grad_norm": float(norm)}
+
+    # ------------------------------------------------------------------ saving
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under their own names, without the adapter (for `save_pretrained`)."""
+        return {name.replace(".base_layer.", "."): tensor for name, tensor in self.model.state_dict().items()
+                if ".lora_" not in name}
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({name: p.detach().contiguous() for name, p in self.parameters.items()},
+                  directory / "adapter.safetensors")
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+
+    def load(self, directory: Path) -> None:
+        saved = load_file(directory / "adapter.safetensors")
+        if set(saved) != set(self.parameters):
+            raise ValueError(f"{directory}: the saved adapter does not match this model's (different rank or "
+                             "target modules?); resume with the run's own distill settings")
+        with torch.no_grad():
+            for name, parameter in self.parameters.items():
+                parameter.copy_(saved[name])
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
