@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .grpo import ppo_loss, token_coefficients
-from .recompute import micro_batches, response_log_distributions
+from .recompute import head_logits, map_head_chunks, micro_batches, response_hidden
 from .rollout.engine import RolloutBatch
 from .rollout.replay import replay_attention
 
@@ -67,6 +67,11 @@ class SamplerAdapter:
         for name, parameter in model.named_parameters():
             if name.replace(".base_layer.", ".") in trainable:
                 parameter.requires_grad_(True)
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if isinstance(model.get_output_embeddings(), BaseTunerLayer):
+            raise ValueError("distill_target_modules must not include the LM head: the dense and the sparse "
+                             "side share it")
         self.model = model
         self.config = config
         self.parameters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
@@ -110,26 +115,26 @@ class SamplerAdapter:
         totals = {"distill_pg_loss": 0.0, "distill_kl": 0.0, "distill_logp_gap": 0.0}
         self.model.train()
         for rows in micro_batches(len(batch), micro_batch_size):
+            ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
             with torch.no_grad():  # the dense side: the updated policy, adapter off
-                dense = response_log_distributions(self.model, batch.input_ids[rows], batch.attention_mask[rows],
-                                                   width)
-            with self.active(), replay_attention(self.model, batch, rows):
-                sparse = response_log_distributions(self.model, batch.input_ids[rows], batch.attention_mask[rows],
-                                                    width)
-            targets = batch.input_ids[rows, width:]
-            logp_sparse = sparse.gather(2, targets[..., None]).squeeze(-1)
-            kl = (dense.exp() * (dense - sparse)).sum(dim=-1)  # [n, T], KL(dense ‖ sparse) per position
-            weights = torch.ones_like(logp_sparse)
-            terms = ppo_loss(logp_sparse, batch.sampler_logprobs[rows], advantages[rows], weights, coefficients[rows],
-                             cfg.clip_eps, cfg.clip_eps)
-            kl_term = (coefficients[rows] * kl).sum()
-            loss = terms.loss + cfg.kl_coef * kl_term
-            # Gradients for the adapter only: the policy's weights must not collect any.
-            for (name, grad), part in zip(grads.items(), torch.autograd.grad(loss, list(self.parameters.values()))):
-                grad += part
+                dense_hidden = response_hidden(self.model, ids, mask, width)
+            # Everything of the sparse side, backward included, with the adapter on: the chunked
+            # head recomputes its pieces during the backward pass.
+            with self.active():
+                with replay_attention(self.model, batch, rows):
+                    sparse_hidden = response_hidden(self.model, ids, mask, width)
+                logp_sparse, kl, logp_dense = map_head_chunks(self.model, sparse_hidden, self._distill_terms,
+                                                              dense_hidden, ids[:, width:])
+                terms = ppo_loss(logp_sparse, batch.sampler_logprobs[rows], advantages[rows],
+                                 torch.ones_like(logp_sparse), coefficients[rows], cfg.clip_eps, cfg.clip_eps)
+                kl_term = (coefficients[rows] * kl).sum()
+                loss = terms.loss + cfg.kl_coef * kl_term
+                # Gradients for the adapter only: the policy's weights must not collect any.
+                for grad, part in zip(grads.values(), torch.autograd.grad(loss, list(self.parameters.values()))):
+                    grad += part
             totals["distill_pg_loss"] += float(terms.pg_loss)
             totals["distill_kl"] += float(kl_term)
-            gap = (logp_sparse.detach() - dense.gather(2, targets[..., None]).squeeze(-1)).abs()
+            gap = (logp_sparse.detach() - logp_dense).abs()
             totals["distill_logp_gap"] += float((gap * batch.response_mask[rows]).sum())
         totals["distill_logp_gap"] /= max(float(batch.response_mask.sum()), 1.0)
         for name, parameter in self.parameters.items():
@@ -139,6 +144,15 @@ class SamplerAdapter:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         return {**totals, "distill_grad_norm": float(norm)}
+
+    def _distill_terms(self, sparse: torch.Tensor, dense_hidden: torch.Tensor, targets: torch.Tensor):
+        """Per position: the sparse log-prob of the sampled token, KL(dense ‖ sparse) over the
+        vocabulary, and the dense log-prob (no gradient). sparse: [n, c, V] log-probs."""
+        with torch.no_grad():
+            dense = torch.log_softmax(head_logits(self.model, dense_hidden), dim=-1)
+        kl = (dense.exp() * (dense - sparse)).sum(dim=-1)
+        token = targets[..., None]
+        return sparse.gather(2, token).squeeze(-1), kl, dense.gather(2, token).squeeze(-1)
 
     # ------------------------------------------------------------------ saving
     def policy_state_dict(self) -> dict[str, torch.Tensor]:

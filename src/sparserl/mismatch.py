@@ -64,21 +64,22 @@ def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int =
     record the plain softmax). With only the sampler's top-k recorded (large vocabularies), the
     sum runs over those k tokens: a lower bound of α.
     """
-    from .recompute import micro_batches, positions_from_mask
+    from .recompute import map_head_chunks, micro_batches, response_hidden
 
     scale = temperature if temperature > 0 else 1.0
-    span = batch.response_ids.shape[1]
+    width = batch.prompt_ids.shape[1]
     parts = []
     for rows in micro_batches(len(batch), micro_batch_size):
-        ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False,
-                       logits_to_keep=span + 1).logits[:, :-1].float()
-        dense = torch.log_softmax(logits / scale, dim=-1)
+        hidden = response_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], width)
         if batch.sampler_distribution is not None:
-            parts.append(acceptance_rate(batch.sampler_distribution[rows], dense))
+            alpha, = map_head_chunks(model, hidden, lambda dense, sampler: acceptance_rate(sampler, dense),
+                                     batch.sampler_distribution[rows], temperature=scale)
         else:
             values, token_ids = batch.sampler_topk
-            parts.append(torch.minimum(values[rows], dense.gather(-1, token_ids[rows])).exp().sum(dim=-1))
+            alpha, = map_head_chunks(
+                model, hidden, lambda dense, top, ids: torch.minimum(top, dense.gather(-1, ids)).exp().sum(dim=-1),
+                values[rows], token_ids[rows], temperature=scale)
+        parts.append(alpha)
     return torch.cat(parts) * batch.response_mask
 
 

@@ -17,29 +17,70 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def response_log_distributions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                               prompt_width: int) -> torch.Tensor:
-    """Float32 log-distributions `[N, T, V]` over the next token at every response position."""
-    response_width = input_ids.shape[1] - prompt_width
-    outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=positions_from_mask(attention_mask), use_cache=False,
-                    logits_to_keep=response_width + 1)
-    return torch.log_softmax(outputs.logits[:, :-1].float(), dim=-1)
+# Bytes of float32 logits one chunk may hold: positions are processed so many at a time that
+# [rows, chunk, V] stays under it (one chunk for a small vocabulary; 16 positions of 8 rows at V = 128k).
+LOGIT_CHUNK_BYTES = 64 * 2**20
+
+
+def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """Final hidden states `[N, T, H]` at the positions that predict the response tokens."""
+    outputs = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=positions_from_mask(attention_mask), use_cache=False)
+    return outputs.last_hidden_state[:, prompt_width - 1:-1]
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of the model's LM head (with its final soft-capping, if it has one)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def position_chunks(rows: int, positions: int, vocab: int) -> list[slice]:
+    step = max(1, LOGIT_CHUNK_BYTES // max(1, rows * vocab * 4))
+    return [slice(start, min(start + step, positions)) for start in range(0, positions, step)]
+
+
+def map_head_chunks(model, hidden: torch.Tensor, fn, *per_position: torch.Tensor,
+                    temperature: float = 1.0) -> list[torch.Tensor]:
+    """`fn(log_probs [N, c, V], *(x[:, chunk] for x in per_position))` over position chunks of
+    `hidden` (log-probs of logits / temperature), each output `[N, c]` concatenated along positions. With gradients on, each chunk is
+    recomputed in the backward pass (activation checkpointing), so the full `[N, T, V]` is never
+    held: peak memory is one chunk's logits."""
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(h, *xs):
+        logits = head_logits(model, h)
+        return fn(torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1), *xs)
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    outputs = []
+    for chunk in position_chunks(hidden.shape[0], hidden.shape[1], vocab):
+        args = (hidden[:, chunk], *(x[:, chunk] for x in per_position))
+        result = checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args)
+        outputs.append(result if isinstance(result, tuple) else (result,))
+    return [torch.cat(parts, dim=1) for parts in zip(*outputs)]
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[N, T]` of `input_ids[:, P:]` given everything before; entropy `[N, T]` if asked.
 
-    input_ids, attention_mask: `[N, P + T]`. Gradients flow if the caller has them enabled.
+    input_ids, attention_mask: `[N, P + T]`. Gradients flow if the caller has them enabled. The
+    vocabulary is never materialised for the whole batch (`map_head_chunks`).
     """
-    log_probs = response_log_distributions(model, input_ids, attention_mask, prompt_width)
+    hidden = response_hidden(model, input_ids, attention_mask, prompt_width)
     targets = input_ids[:, prompt_width:]
-    token_logprobs = log_probs.gather(2, targets[..., None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
-    return token_logprobs, entropy
+
+    def per_token(log_probs, target):
+        token = log_probs.gather(2, target[..., None]).squeeze(-1)
+        if not with_entropy:
+            return token
+        return token, -(log_probs.exp() * log_probs).sum(dim=-1)
+
+    results = map_head_chunks(model, hidden, per_token, targets)
+    return results[0], (results[1] if with_entropy else None)
 
 
 def micro_batches(rows: int, size: int) -> Iterator[slice]:
