@@ -29,11 +29,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .evaluate import complete, held_out
 from .mismatch import bin_tails, rollout_alpha_metrics
+from .models import sampling_generator
 from .rollout.engine import KVCompression
 from .rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
 
@@ -52,7 +52,7 @@ def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: Budget
     compression = KVCompression.from_rollout_config(dataclasses.replace(rollout, kv_schedule=None))
     compression = dataclasses.replace(compression, schedule=schedule)
     done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, samples=samples,
-                    generator=torch.Generator().manual_seed(seed), record_distributions=True)
+                    generator=sampling_generator(model, seed), record_distributions=True)
     return bin_tails(rollout_alpha_metrics(model, done.batches, rollout.temperature, bin_size, quantile))
 
 

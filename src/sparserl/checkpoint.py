@@ -61,7 +61,10 @@ def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimi
         adapter.save(tmp / ADAPTER_DIR)
     tokenizer.save_pretrained(tmp / "policy")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # every CUDA device's generator, for a resumed run to continue it
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
     (tmp / "rng.json").write_text(json.dumps(_host_rng_states()))
     (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=2))
     save_config(config, tmp / "config.yaml")
@@ -118,7 +121,10 @@ def latest_good_checkpoint(run_dir: Path) -> Path | None:
 def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore optimizer and RNG states (the weights are loaded by the caller from `policy/`)."""
     optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
-    torch.set_rng_state(torch.load(checkpoint / "rng.pt", weights_only=True)["torch"])
+    rng = torch.load(checkpoint / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     host = json.loads((checkpoint / "rng.json").read_text())
     version, internal, gauss = host["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     model: str | None = None  # a Hugging Face model directory (or a run directory or checkpoint, for eval); none: the built-in model
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype (log-probs, ratios and α are float32)
+    device: str = "auto"  # where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N
     threads: int = 0  # torch CPU threads; 0 keeps torch's default (fix it: it changes float sums and so trajectories)
 
 

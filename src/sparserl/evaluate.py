@@ -120,12 +120,13 @@ class HeldOut:
 
 def held_out(config, n: int) -> HeldOut:
     """The model, task and `n` held-out (test split) examples that `config` names, threads set."""
-    from .models import load_policy
+    from .models import load_policy, resolve_device
     from .tasks.registry import max_new_tokens as response_bound, task_from_config
 
     if config.model.threads:
         torch.set_num_threads(config.model.threads)
-    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
+    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype),
+                                   resolve_device(config.model.device))
     task = task_from_config(config.task)
     return HeldOut(model.eval(), tokenizer, task, task.examples(n, seed=config.train.seed, split="test"),
                    response_bound(config.task, task))
@@ -170,8 +171,10 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
                         **_kv_figures(greedy.batches)}
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
+        from .models import sampling_generator
+
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                           generator=torch.Generator().manual_seed(seed), progress=label("sampled"))
+                           generator=sampling_generator(model, seed), progress=label("sampled"))
         hits = [r >= 1.0 for r in task.reward(sampled.texts, **reward_columns(examples, samples))]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]

@@ -46,14 +46,41 @@ def builtin_model_path() -> Path:
     return Path(str(resources.files("sparserl") / "assets" / BUILTIN_MODEL_DIR))
 
 
+def resolve_device(spec: str = "auto") -> torch.device:
+    """`auto` is the first CUDA device when there is one, else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"device {spec!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {spec!r}: this machine has no CUDA device; use --device cpu (or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {spec!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def sampling_generator(model, seed: int) -> torch.Generator:
+    """A generator on the model's device (CUDA sampling needs a CUDA generator), seeded."""
+    return torch.Generator(device=model_device(model)).manual_seed(seed)
+
+
 def resolve_model_path(path: str | None) -> Path:
     if path is None:
         return builtin_model_path()
     return Path(path).expanduser()
 
 
-def load_policy(path: str | None, dtype: torch.dtype = torch.float32):
-    """Return (model, tokenizer) from a model directory; None means the built-in model."""
+def load_policy(path: str | None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """Return (model, tokenizer) from a model directory, the model in `dtype` on `device`; None
+    means the built-in model."""
     directory = resolve_model_path(path)
     check_model_dir(directory)
     try:
@@ -65,7 +92,7 @@ def load_policy(path: str | None, dtype: torch.dtype = torch.float32):
                               "truncated or corrupt: save the model again with save_pretrained") from None
     prepare_tokenizer(tokenizer, model)
     model.config.use_cache = True
-    return model, tokenizer
+    return model.to(device), tokenizer
 
 
 def check_model_dir(directory: Path) -> None:

@@ -19,11 +19,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from .corrections import CorrectionConfig, compute_corrections
 from .evaluate import complete, evaluate_policy, held_out
+from .models import sampling_generator
 from .recompute import batched_logprobs
 from .rollout.engine import KVCompression
 from .tasks.base import reward_columns
@@ -42,7 +42,7 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
     """Veto and band rates of Sparse-RL's default filters, ξ's 1% quantile and sampled accuracy, on
     `samples` rollouts per example with the dense recompute as π_old."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                    generator=torch.Generator().manual_seed(seed))
+                    generator=sampling_generator(model, seed))
     vetoed = banded = alive = rows = 0.0
     quantiles = []
     for batch in done.batches:

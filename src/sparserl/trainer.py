@@ -28,7 +28,7 @@ from .evaluate import decode_responses, greedy_scores
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
 from .mismatch import bin_tails, rollout_alpha_metrics
-from .models import load_policy
+from .models import load_policy, resolve_device, sampling_generator
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
@@ -81,10 +81,11 @@ class GRPOTrainer:
         torch.manual_seed(config.train.seed)
         dtype = getattr(torch, config.model.dtype)
         source = str(checkpoint / "policy") if checkpoint else config.model.model
-        self.model, self.tokenizer = load_policy(source, dtype)
+        self.device = resolve_device(config.model.device)
+        self.model, self.tokenizer = load_policy(source, dtype, self.device)
         self.reference = None
         if config.train.kl_coef > 0:
-            self.reference = load_policy(config.model.model, dtype)[0].eval().requires_grad_(False)
+            self.reference = load_policy(config.model.model, dtype, self.device)[0].eval().requires_grad_(False)
         self.task = task_from_config(config.task)
         self.max_new_tokens = max_new_tokens(config.task, self.task)
         self.reward = RewardRunner.from_spec(config.train.reward_funcs, config.train.reward_weights, self.task.reward,
@@ -177,7 +178,7 @@ class GRPOTrainer:
         cfg = self.config
         started = time.perf_counter()
         seed = step_seed(cfg.train.seed, step)
-        generator = torch.Generator().manual_seed(seed)
+        generator = sampling_generator(self.model, seed)
         examples = self.task.examples(cfg.rollout.prompts_per_step, seed=seed, split="train")
         group = cfg.rollout.group_size
         prompts = [self.tokenizer(e.prompt).input_ids for e in examples for _ in range(group)]
@@ -193,7 +194,7 @@ class GRPOTrainer:
         completion_ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
         rewards = torch.tensor(self.reward(prompts=[e.prompt for e in examples for _ in range(group)], completions=texts,
                                            completion_ids=completion_ids, **reward_columns(examples, group)),
-                               dtype=torch.float32)
+                               dtype=torch.float32, device=self.device)
 
         recompute_started = time.perf_counter()
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
@@ -305,7 +306,8 @@ class GRPOTrainer:
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
         grad_norms, steps = [], 0
         for _ in range(cfg.epochs):
-            order = torch.arange(rows) if first_forward is not None else torch.randperm(rows, generator=generator)
+            order = torch.arange(rows) if first_forward is not None else \
+                torch.randperm(rows, generator=generator, device=generator.device).cpu()
             for start in range(0, rows, size):
                 index = order[start:start + size]
                 coefficients = token_coefficients(keep[index], cfg.loss_agg)

@@ -1,0 +1,43 @@
+"""Device and dtype: resolution and its errors, and a bf16 training step on CPU end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparserl.cli import main
+from sparserl.config import ConfigError
+from sparserl.metrics_log import read_metrics
+from sparserl.models import resolve_device
+
+
+def test_device_resolution():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="not a device"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device; use --device cpu"):
+            resolve_device("cuda:0")
+
+
+def test_a_bf16_sparse_step_on_cpu(tiny_model_dir, tmp_path):
+    out = tmp_path / "bf16"
+    assert main(["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "1", "--mode", "sparse-rl",
+                 "--dtype", "bfloat16", "--device", "cpu", "--prompts-per-step", "4", "--group-size", "4",
+                 "--difficulty", "4", "--kv-budget", "10", "--kv-window", "3", "--kv-interval", "3",
+                 "--eval-every", "0", "--threads", "1", "--log-with", "none", "--entropy-coef", "0.05"]) == 0
+    record = read_metrics(out / "metrics.jsonl")[-1]
+    assert record["grad_norm"] > 0 and 0 < record["alpha_mean"] <= 1 + 1e-5
+    weights = load_file(out / "checkpoints" / "step_000001" / "policy" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}  # weights stay in the chosen dtype
+
+
+def test_an_unavailable_device_is_refused_before_anything_runs(tiny_model_dir, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "1", "--device", "cuda",
+                 "--threads", "1", "--log-with", "none"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
