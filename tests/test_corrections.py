@@ -34,7 +34,6 @@ def reference(old, smp, mask, cfg: CorrectionConfig):
     cl = [[min(max(lr[i][t], -20.0), 20.0) for t in range(T)] for i in range(B)]
     xi = [[math.exp(cl[i][t]) for t in range(T)] for i in range(B)]
 
-    n_of = [sum(1 for t in range(T) if mask[i][t]) for i in range(B)]
     removed = {}  # filter -> set of (i, t) response tokens it removes on its own
     if cfg.veto_threshold is not None:
         name = "prefix_veto" if cfg.veto_scope == "prefix" else "veto"

