@@ -51,7 +51,7 @@ def run_compare(config_for_mode: Callable[[str], ExperimentConfig], modes: list[
         raise ConfigError(f"--modes: {error}") from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds: give distinct integer seeds, e.g. 0,1,2 (got {seeds})")
-    base = config_for_mode("dense")
+    base = config_for_mode(modes[0])
     out, created = make_output_dir(base.output.out)
     try:
         return _run_jobs(base, config_for_mode, out, names, seeds)
@@ -68,9 +68,11 @@ def _run_jobs(config: ExperimentConfig, config_for_mode: Callable[[str], Experim
     record = json.loads(manifest.read_text()) if manifest.exists() else {
         "modes": [], "seeds": [], "config": config.to_dict(),
         "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    # Runs of one comparison must share their settings; only what RUN_FREE_FIELDS names may change.
+    # Runs of one comparison must share their settings; only what RUN_FREE_FIELDS names may change,
+    # and the corrections, which each mode's preset sets (each run directory checks its own).
+    per_mode = {"mode", "seed", "eval_sparse_inference", *config.to_dict()["correction"]}
     changed = {k: v for k, v in config_differences(record["config"], config.to_dict()).items()
-               if k not in RUN_FREE_FIELDS | {"mode", "seed", "eval_sparse_inference"}}
+               if k not in RUN_FREE_FIELDS | per_mode}
     if changed:
         listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ConfigError(f"--out {out} holds a comparison run with other settings ({listing}); use the same "

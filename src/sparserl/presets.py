@@ -41,7 +41,7 @@ def _builtin(name: str, sparse: bool, make: Callable[[], CorrectionConfig], summ
 
 
 # The recommended correction, chosen on the built-in experiment (docs/results.md, "Corrections").
-RECOMMENDED = "sparse-tis"
+RECOMMENDED = "geo-rs"
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     _builtin("dense", False, CorrectionConfig.off, "dense rollouts, no correction (the baseline)"),

@@ -164,7 +164,9 @@ class RKV(KVPolicy):
 
     The row sums are kept between compressions of a rollout: each compression adds the rows and
     columns of the slots appended since the last one and removes those of the evicted slots,
-    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix.
+    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix: one product of the
+    appended slots against all (which also gives the old rows' new columns) and one of the kept
+    against the evicted slots.
     """
 
     name = "rkv"
@@ -189,7 +191,7 @@ class RKV(KVPolicy):
     def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """The redundancy distribution `[N, Hkv, L]` computed from scratch."""
         unit = _unit_keys(keys, real)
-        return self._distribution(self._pair_sums(unit, unit, 0), real)
+        return self._distribution(self._masked_row_sums(unit @ unit.transpose(-1, -2), 0), real)
 
     def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
         """Remove the evicted slots' similarity from the kept rows, then keep those rows."""
@@ -208,24 +210,25 @@ class RKV(KVPolicy):
     def _update_row_sums(self, layer: int, unit: torch.Tensor) -> torch.Tensor:
         previous = self._row_sums.get(layer)
         old = 0 if previous is None else previous.shape[2]
-        new_rows = self._pair_sums(unit[:, :, old:], unit, old)  # the appended slots against all
+        sim = unit[:, :, old:] @ unit.transpose(-1, -2)  # the appended slots against all: [N, Hkv, R, L]
         if previous is not None:
-            # Old rows gain the appended slots, which are newer, so always counted.
-            new_cols = unit[:, :, :old] @ unit[:, :, old:].transpose(-1, -2)
-            previous = previous + new_cols.sum(dim=-1)
+            # Old rows gain the appended slots, which are newer, so always counted; sim(old, new) is
+            # sim's first `old` columns, read before the masking below (one product instead of two).
+            previous = previous + sim[..., :old].sum(dim=2)
+        new_rows = self._masked_row_sums(sim, old)
         sums = new_rows if previous is None else torch.cat([previous, new_rows], dim=2)
         self._row_sums[layer] = sums
         return sums
 
-    def _pair_sums(self, rows: torch.Tensor, unit: torch.Tensor, first_row: int) -> torch.Tensor:
-        """Row sums of sim(rows, all) without the diagonal and without older near-duplicates.
+    def _masked_row_sums(self, sim: torch.Tensor, first_row: int) -> torch.Tensor:
+        """Row sums of `sim` [N, Hkv, R, L] (rows first_row.. against all slots) without the diagonal
+        and without older near-duplicates; `sim` is overwritten.
 
         Slots are in column order (ScoringInputs), so "j is older than row r" is j < first_row + r.
         """
-        sim = rows @ unit.transpose(-1, -2)  # [N, Hkv, R, L]
-        row_index = torch.arange(first_row, first_row + rows.shape[2], device=unit.device)
-        older = torch.arange(unit.shape[2], device=unit.device)[None, :] < row_index[:, None]
-        diagonal = sim.diagonal(offset=first_row, dim1=-2, dim2=-1)
+        row_index = torch.arange(first_row, first_row + sim.shape[2], device=sim.device)
+        older = torch.arange(sim.shape[3], device=sim.device)[None, :] < row_index[:, None]
+        diagonal = sim.diagonal(offset=first_row, dim1=-2, dim2=-1)  # never masked: j < r excludes j = r
         return sim.masked_fill_((sim > self.similarity_threshold) & older, 0.0).sum(dim=-1) - diagonal
 
     @staticmethod
