@@ -52,3 +52,29 @@ def test_model_command_refuses_a_used_directory_and_unknown_names(tmp_path, caps
 
     with pytest.raises(ConfigError, match="gemma-3-270m"):
         fetch_pretrained("llama-9000", tmp_path / "new")
+
+
+@pytest.mark.parametrize("eos, compression", [(False, None), (True, None), (True, "rkv"), (False, "snapkv")])
+def test_decode_loop_host_syncs(monkeypatch, eos, compression):
+    """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout: none
+    per decode step without EOS, one per step (the stop check) with it, a bounded few otherwise."""
+    from conftest import make_tiny_model
+    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+
+    model, tokenizer = make_tiny_model()
+    engine = RolloutEngine(model, KVCompression(compression, budget=12, window=3, interval=4) if compression else None,
+                           record_evictions=False)
+    counts = {"n": 0}
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    steps = 40
+    sampling = SamplingConfig(steps, 1.0, tokenizer.eos_token_id if eos else None, tokenizer.pad_token_id)
+    engine.generate([[5] * 10] * 4, sampling, torch.Generator().manual_seed(0))
+    per_step = counts["n"] / steps
+    assert per_step <= (1.0 if eos else 0.0) + 0.5, counts

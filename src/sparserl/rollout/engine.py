@@ -254,7 +254,8 @@ class RolloutEngine:
                     hit_eos = live & (token == sampling.eos_token_id)
                     ended |= hit_eos
                     live &= ~hit_eos
-                if step == steps - 1 or not bool(live.any()):
+                # The one host sync of a step, and only when rows can stop early.
+                if step == steps - 1 or (sampling.eos_token_id is not None and not bool(live.any())):
                     break
                 if comp and since_compression >= comp.interval:
                     # The schedule reads the cached length of the longest prompt's row (padded columns),
