@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from sparserl.cli import main
 from sparserl.config import MODES
+from sparserl.presets import RECOMMENDED
 from sparserl.metrics_log import read_metrics
 
 TIMING_KEYS = {"rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac"}
@@ -109,7 +110,9 @@ def test_every_mode_runs_from_the_cli(tiny_model_dir, tmp_path, mode):
     sparse = mode != "dense"
     assert (record["kv_peak_bytes"] < record["kv_dense_bytes"]) == sparse
     filters = {"sparse-rl": {"veto", "band"}, "sparse-rs": {"veto", "band"}, "geo-rs": {"veto", "geo"},
-               "k3-rs": {"k3"}, "seq-mask-tis": {"geo"}, "prefix-veto-tis": {"prefix_veto"}}.get(mode, set())
+               "k3-rs": {"k3"}, "seq-mask-tis": {"geo"}, "prefix-veto-tis": {"prefix_veto"}}
+    filters["sparrow"] = filters.get(RECOMMENDED, set())  # sparrow applies the recommended correction
+    filters = filters.get(mode, set())
     # Each applied filter reports what it removes, and nothing else does.
     assert {k[len("applied_"):-len("_token_frac")] for k in record if k.startswith("applied_")
             and k.endswith("_token_frac")} == filters

@@ -114,9 +114,13 @@ class BufferLayer(CacheLayerMixin):
         """Move the slots `slot_index [N, Hs, B]` (in the order given) to the front of the buffer."""
         kept = slot_index.shape[2]
         heads_index = slot_index if self.selection_heads == self.kv_heads else slot_index.expand(-1, self.kv_heads, -1)
-        gather = heads_index[..., None].expand(-1, -1, -1, self.head_dim)
-        self.keys[:, :, :kept] = self.keys[:, :, : self.length].gather(2, gather)
-        self.values[:, :, :kept] = self.values[:, :, : self.length].gather(2, gather)
+        # Rows of the flattened [N·Hkv·capacity, D] buffers: index_select there is twice as fast on a
+        # CPU as a gather with an index expanded over D.
+        offsets = torch.arange(self.batch * self.kv_heads, device=self.device).view(self.batch, self.kv_heads, 1)
+        rows = (heads_index + offsets * self.capacity).reshape(-1)
+        shape = (self.batch, self.kv_heads, kept, self.head_dim)
+        self.keys[:, :, :kept] = self.keys.view(-1, self.head_dim).index_select(0, rows).view(shape)
+        self.values[:, :, :kept] = self.values.view(-1, self.head_dim).index_select(0, rows).view(shape)
         self.columns[:, :, :kept] = self.columns[:, :, : self.length].gather(2, slot_index)
         self.real[:, :, :kept] = self.real[:, :, : self.length].gather(2, slot_index)
         self.length = kept

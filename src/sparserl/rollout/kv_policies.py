@@ -164,72 +164,94 @@ class RKV(KVPolicy):
 
     The row sums are kept between compressions of a rollout: each compression adds the rows and
     columns of the slots appended since the last one and removes those of the evicted slots,
-    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix: one product of the
-    appended slots against all (which also gives the old rows' new columns) and one of the kept
-    against the evicted slots.
+    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix. A row sum is split
+    as sum_j sim[i, j] - sum_{j older, sim > threshold} sim[i, j]: the first term is linear in the
+    keys (one matrix-vector product against a sum of keys), so only the second needs the pairwise
+    products, and those are thresholded and masked in place in one reused buffer, in blocks of
+    `BLOCK` slots. On a CPU, allocating a fresh [N, Hkv, Δ, B] matrix per step costs more in page
+    faults than the product itself.
     """
 
     name = "rkv"
+    BLOCK = 128
 
     def __init__(self, lam: float = 0.1, similarity_threshold: float = 0.5, kernel_size: int = 7,
                  pooling: Literal["max", "mean"] = "max"):
         self.lam = lam
         self.similarity_threshold = similarity_threshold
         self.importance = SnapKV(kernel_size=kernel_size, pooling=pooling)
-        self._row_sums: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L] for the slots scored last
+        self.begin_rollout()
 
     def begin_rollout(self) -> None:
-        self._row_sums = {}
+        self._row_sums: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L] for the slots scored last
+        self._unit: torch.Tensor | None = None  # the unit keys `score` made, for `before_keep`
+        self._buffer = torch.empty(0)
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         real, _ = inputs.per_kv_head()
         attention = self.importance.score(inputs).masked_fill(~real, 0.0)
         importance = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        sums = self._update_row_sums(inputs.layer_idx, _unit_keys(inputs.keys, real))
+        self._unit = _unit_keys(inputs.keys, real)
+        sums = self._update_row_sums(inputs.layer_idx, self._unit)
         return self.lam * importance - (1.0 - self.lam) * self._distribution(sums, real)
 
     def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """The redundancy distribution `[N, Hkv, L]` computed from scratch."""
         unit = _unit_keys(keys, real)
-        return self._distribution(self._masked_row_sums(unit @ unit.transpose(-1, -2), 0), real)
+        return self._distribution(self._new_row_sums(unit, 0), real)
 
     def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
         """Remove the evicted slots' similarity from the kept rows, then keep those rows."""
-        sums = self._row_sums[inputs.layer_idx]
+        sums, unit = self._row_sums[inputs.layer_idx], self._unit
         n, heads, length = sums.shape
         slots = slots.expand(n, heads, -1)
-        kept = torch.zeros(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, True)
-        evicted = (~kept).float().argsort(dim=-1, descending=True, stable=True)[..., : length - slots.shape[-1]]
-        unit = _unit_keys(inputs.keys, inputs.per_kv_head()[0])
-        gather = lambda index: unit.gather(2, index[..., None].expand(-1, -1, -1, unit.shape[-1]))  # noqa: E731
-        sim = gather(slots) @ gather(evicted).transpose(-1, -2)  # [N, Hkv, B, E]
-        evicted_older = evicted[..., None, :] < slots[..., :, None]
-        counted = torch.where((sim > self.similarity_threshold) & evicted_older, 0.0, sim)
-        self._row_sums[inputs.layer_idx] = sums.gather(2, slots) - counted.sum(dim=-1)
+        evicted_mask = torch.ones(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, False)
+        evicted = evicted_mask.float().argsort(dim=-1, descending=True, stable=True)[..., : length - slots.shape[-1]]
+        gone = _gather_rows(unit, evicted)  # [N, Hkv, E, D], in slot order
+        removed = (unit @ gone.sum(dim=2)[..., None]).squeeze(-1)  # every evicted slot, thresholds aside
+        # Row i spares the evicted slots older than it: the first `older[i]` of them (both in slot order).
+        older = evicted_mask.long().cumsum(dim=-1) - evicted_mask.long()
+        for start in range(0, gone.shape[2], self.BLOCK):
+            block = gone[:, :, start:start + self.BLOCK]
+            sim = self._spared(unit, block)  # [N, Hkv, L, b]
+            first_not_older = (older - start).clamp_(0, block.shape[2])
+            sim.masked_fill_(torch.arange(block.shape[2], device=sim.device) >= first_not_older[..., None], 0.0)
+            removed -= sim.sum(dim=-1)
+        self._row_sums[inputs.layer_idx] = (sums - removed).gather(2, slots)
 
     def _update_row_sums(self, layer: int, unit: torch.Tensor) -> torch.Tensor:
         previous = self._row_sums.get(layer)
         old = 0 if previous is None else previous.shape[2]
-        sim = unit[:, :, old:] @ unit.transpose(-1, -2)  # the appended slots against all: [N, Hkv, R, L]
         if previous is not None:
-            # Old rows gain the appended slots, which are newer, so always counted; sim(old, new) is
-            # sim's first `old` columns, read before the masking below (one product instead of two).
-            previous = previous + sim[..., :old].sum(dim=2)
-        new_rows = self._masked_row_sums(sim, old)
+            # Old rows gain the appended slots, which are newer, so always counted.
+            previous = previous + (unit[:, :, :old] @ unit[:, :, old:].sum(dim=2)[..., None]).squeeze(-1)
+        new_rows = self._new_row_sums(unit, old)
         sums = new_rows if previous is None else torch.cat([previous, new_rows], dim=2)
         self._row_sums[layer] = sums
         return sums
 
-    def _masked_row_sums(self, sim: torch.Tensor, first_row: int) -> torch.Tensor:
-        """Row sums of `sim` [N, Hkv, R, L] (rows first_row.. against all slots) without the diagonal
-        and without older near-duplicates; `sim` is overwritten.
+    def _new_row_sums(self, unit: torch.Tensor, first_row: int) -> torch.Tensor:
+        """Row sums of the slots first_row.. against all, without the diagonal and without older
+        near-duplicates. Slots are in column order (ScoringInputs), so "j is older than i" is j < i."""
+        rows = unit[:, :, first_row:]
+        diagonal = rows.square().sum(dim=-1)
+        sums = (rows @ unit.sum(dim=2)[..., None]).squeeze(-1) - diagonal
+        for start in range(0, rows.shape[2], self.BLOCK):
+            stop = min(start + self.BLOCK, rows.shape[2])
+            sim = self._spared(rows[:, :, start:stop], unit)  # [N, Hkv, b, L]
+            # Only older slots spare: row r of the block is slot first_row + start + r.
+            sim[..., first_row + start:].tril_(-1)
+            sums[..., start:stop] -= sim.sum(dim=-1)
+        return sums
 
-        Slots are in column order (ScoringInputs), so "j is older than row r" is j < first_row + r.
-        """
-        row_index = torch.arange(first_row, first_row + sim.shape[2], device=sim.device)
-        older = torch.arange(sim.shape[3], device=sim.device)[None, :] < row_index[:, None]
-        diagonal = sim.diagonal(offset=first_row, dim1=-2, dim2=-1)  # never masked: j < r excludes j = r
-        return sim.masked_fill_((sim > self.similarity_threshold) & older, 0.0).sum(dim=-1) - diagonal
+    def _spared(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """`rows @ columns^T` ([N, Hkv, a, b]) where above the threshold, else 0, in the reused buffer."""
+        shape = (*rows.shape[:3], columns.shape[2])
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if self._buffer.numel() < size or self._buffer.device != rows.device:
+            self._buffer = torch.empty(size, dtype=torch.float32, device=rows.device)
+        sim = torch.matmul(rows, columns.transpose(-1, -2), out=self._buffer[:size].view(shape))
+        return F.threshold_(sim, self.similarity_threshold, 0.0)
 
     @staticmethod
     def _distribution(sums: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -240,6 +262,11 @@ class RKV(KVPolicy):
 def _unit_keys(keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Unit-norm keys in float32, zero on padding, so padding adds no similarity."""
     return torch.nn.functional.normalize(keys.float(), dim=-1) * real[..., None]
+
+
+def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor [N, H, L, D]` at slots `index [N, H, K]`."""
+    return tensor.gather(2, index[..., None].expand(-1, -1, -1, tensor.shape[-1]))
 
 
 @register
