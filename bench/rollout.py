@@ -18,7 +18,7 @@ Models (random init with --seed, float32; we measure speed and memory, not quali
   (the char tokenizer): 29.9M parameters.
 
 Per row: peak KV bytes (`batch.kv.kv_peak_bytes`, the cache buffers' own nbytes; transient tensors of the
-scoring, e.g. R-KV's [N, Hkv, L, L] similarity matrix, are not counted), the dense KV bytes of the same
+scoring, e.g. R-KV's [N, Hkv, L, 128] similarity blocks, are not counted), the dense KV bytes of the same
 rollout (`kv_dense_bytes`), their ratio against the bound (B + interval) / L, decode tokens/s (generated
 tokens / `rollout_seconds`, prefill included), speedup against the dense row of the same model and L, the
 share of the rollout spent compressing (`kv.compress_seconds / rollout_seconds`), and for the dense row
