@@ -194,6 +194,42 @@ def test_rkv_matches_float64_loops(per_head, lam, threshold):
     assert_valid_topk(kept, brute, inputs, 10, W, tol=1e-7)
 
 
+def compressed_then_extended(inputs, slots, gen, appended):
+    """The inputs after keeping `slots` and appending `appended` new real slots (some near-duplicates
+    of kept keys, so that the threshold bites across old and new), with fresh window queries."""
+    n, hkv, _, d = inputs.keys.shape
+    per_head = slots.expand(n, hkv, -1)
+    kept = inputs.keys.gather(2, per_head[..., None].expand(-1, -1, -1, d))
+    new = torch.randn(n, hkv, appended, d, generator=gen)
+    new[:, :, 0] = kept[:, :, 2] + 0.1 * torch.randn(n, hkv, d, generator=gen)
+    new[:, :, 1] = new[:, :, 0] + 0.1 * torch.randn(n, hkv, d, generator=gen)
+    start = int(inputs.columns.max()) + 1
+    new_columns = torch.arange(start, start + appended).expand(n, slots.shape[1], -1)
+    return ScoringInputs(
+        keys=torch.cat([kept, new], dim=2), queries=torch.randn(n, HQ, W, d, generator=gen),
+        query_real=torch.ones(n, W, dtype=torch.bool),
+        real=torch.cat([inputs.real.gather(2, slots), torch.ones_like(new_columns, dtype=torch.bool)], dim=2),
+        columns=torch.cat([inputs.columns.gather(2, slots), new_columns], dim=2),
+        attention_mass=None, layer_idx=0, num_layers=2)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rkv_kept_between_compressions_matches_float64_loops(per_head):
+    """R-KV updates its similarity sums between compressions (appended rows in, evicted rows out,
+    in blocks); at every compression the score must still be the float64 loops' on the slots held."""
+    gen = torch.Generator().manual_seed(5)
+    inputs = make_inputs(per_head=per_head, seed=2)
+    policy = RKV(lam=0.3, similarity_threshold=0.2, kernel_size=3)
+    policy.BLOCK = 4  # several blocks per product, and a last partial one
+    budget = 14
+    for _ in range(4):
+        score = policy.score(inputs)
+        assert_real_scores_match(score, brute_rkv(inputs, 0.3, 0.2, 3, "max"), inputs, tol=1e-6)
+        slots = select_slots(score, inputs.real, inputs.columns, budget, W)
+        policy.before_keep(inputs, slots)
+        inputs = compressed_then_extended(inputs, slots, gen, L - budget)
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_h2o_keeps_heavy_hitters_and_window(per_head):
     inputs = make_inputs(per_head=per_head, interleaved_pad=True)

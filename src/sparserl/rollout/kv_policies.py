@@ -168,7 +168,7 @@ class RKV(KVPolicy):
     as sum_j sim[i, j] - sum_{j older, sim > threshold} sim[i, j]: the first term is linear in the
     keys (one matrix-vector product against a sum of keys), so only the second needs the pairwise
     products, and those are thresholded and masked in place in one reused buffer, in blocks of
-    `BLOCK` slots. On a CPU, allocating a fresh [N, Hkv, Δ, B] matrix per step costs more in page
+    `BLOCK` slots. On a CPU, allocating a fresh [N, Hkv, Δ, B] matrix per compression costs more in page
     faults than the product itself.
     """
 
