@@ -73,6 +73,15 @@ class RolloutConfig:
     kv_kernel_size: int = 7  # snapkv, rkv, pyramidkv: 1-D pooling kernel over positions (odd)
     kv_pooling: Literal["max", "mean"] = "max"  # snapkv, rkv, pyramidkv: pooling over query heads and positions
     kv_sinks: int = 4  # streamingllm: attention-sink tokens always kept
+    sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
+    block_page_size: int = 16  # block: tokens per page
+    block_dense_layers: int = 2  # block: the first layers attend densely
+    rollout_workers: int = 0  # Ray actors that sample rollouts (0: in this process); needs pip install -e ".[ray]"
+    rollout_shards: int = 0  # fixed sets of prompt groups each sampled as one batch with its own seed; 0 = max(1, rollout_workers). Same shards, same metrics, whatever the workers
+    ray_address: str | None = None  # join this Ray cluster (e.g. auto or ray://host:10001); none: start a local one
+    rollout_timeout: float = 600.0  # seconds a worker may take for one shard before it is replaced and the shard retried
+    worker_gpus: float = 0.0  # GPUs each rollout worker asks Ray for on a CUDA device (fractions colocate); 0 = 1 / rollout_workers
+    worker_cpus: int = 1  # CPUs each rollout worker asks Ray for (its torch threads when --threads is 0)
 
 
 @dataclass
@@ -341,6 +350,8 @@ def validate(config: ExperimentConfig) -> None:
             raise ConfigError(message)
     _validate_kv_policy(config.rollout)
     _validate_recalibration(config.rollout)
+    _validate_block(config.rollout)
+    _validate_workers(config.rollout)
     if config.train.distill_sparse and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--distill-sparse needs sparse rollouts; mode {config.train.mode} samples densely")
     if config.train.distill_sparse and (config.train.distill_rank < 1 or config.train.distill_lr <= 0
@@ -384,6 +395,31 @@ def _validate_recalibration(rollout: RolloutConfig) -> None:
     if rollout.calibration_prompts < 1 or rollout.calibration_samples < 1:
         raise ConfigError("calibration_prompts and calibration_samples must be >= 1")
     calibration_budgets(rollout)
+
+
+def _validate_block(rollout: RolloutConfig) -> None:
+    if rollout.block_page_size < 1 or rollout.block_dense_layers < 0:
+        raise ConfigError("block_page_size must be >= 1 and block_dense_layers >= 0")
+    always = 3 * rollout.block_page_size  # the first page and the 2 most recent
+    if rollout.sparsity == "block" and rollout.kv_budget < always:
+        raise ConfigError(f"--sparsity block: kv_budget ({rollout.kv_budget}) must cover the first and the 2 most "
+                          f"recent pages, at least 3 x block_page_size = {always} tokens")
+
+
+def _validate_workers(rollout: RolloutConfig) -> None:
+    checks = [
+        (rollout.rollout_workers >= 0, "rollout_workers must be >= 0 (0: sample in this process)"),
+        (rollout.rollout_shards >= 0, "rollout_shards must be >= 0 (0: one per worker)"),
+        (max(rollout.rollout_shards, rollout.rollout_workers, 1) <= rollout.prompts_per_step,
+         f"rollout_shards and rollout_workers must not exceed prompts_per_step ({rollout.prompts_per_step}): "
+         "a shard holds whole prompt groups"),
+        (rollout.rollout_timeout > 0, "rollout_timeout must be > 0 seconds"),
+        (rollout.worker_gpus >= 0, "worker_gpus must be >= 0 (0: 1 / rollout_workers)"),
+        (rollout.worker_cpus >= 1, "worker_cpus must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _validate_kv_policy(rollout: RolloutConfig) -> None:
