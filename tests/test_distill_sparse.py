@@ -74,7 +74,7 @@ def test_a_distill_step_moves_only_the_adapter_toward_the_dense_policy():
     for _ in range(4):
         with adapter.active():
             batch = _sample(model, tokenizer)
-        kls.append(adapter.train_step(batch, torch.zeros(len(batch)), micro_batch_size=64)["distill_kl"])
+        kls.append(adapter.train_step([batch], torch.zeros(len(batch)), micro_batch_size=64)["distill_kl"])
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= set(adapter.parameters)
     assert kls[-1] < kls[0]  # zero advantages: only the KL term pulls, and it pulls the sampler to dense

@@ -16,6 +16,7 @@ the policy's weights are saved without it.
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,17 +104,42 @@ class SamplerAdapter:
         return name not in self.parameters
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: RolloutBatch, advantages: torch.Tensor, micro_batch_size: int) -> dict[str, float]:
-        """One optimizer step of L_LoRA on `batch` (rollouts of the adapted sampler); metrics back.
+    def train_step(self, shards: list[RolloutBatch], advantages: torch.Tensor, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step of L_LoRA on a step's rollouts of the adapted sampler; metrics back.
 
-        advantages: [N] (the step's group advantages).
+        shards: the step's rollout batches (each replays in its own column layout); advantages: [N]
+        (the step's group advantages, the shards' rows in order).
         """
         cfg = self.config
-        width = batch.prompt_ids.shape[1]
-        coefficients = token_coefficients(batch.response_mask, cfg.loss_agg)  # [N, T]
         grads = {name: torch.zeros_like(p) for name, p in self.parameters.items()}
         totals = {"distill_pg_loss": 0.0, "distill_kl": 0.0, "distill_logp_gap": 0.0}
+        # The loss aggregates over the step's rows as one batch, whatever the shards.
+        span = max(b.response_mask.shape[1] for b in shards)
+        masks = torch.cat([torch.nn.functional.pad(b.response_mask, (0, span - b.response_mask.shape[1]))
+                           for b in shards])
+        step_coefficients = token_coefficients(masks, cfg.loss_agg)  # [N, T]
         self.model.train()
+        first = 0
+        for batch in shards:
+            rows_here = slice(first, first + len(batch))
+            first += len(batch)
+            self._accumulate(batch, advantages[rows_here],
+                             step_coefficients[rows_here, : batch.response_mask.shape[1]], micro_batch_size,
+                             grads, totals)
+        totals["distill_logp_gap"] /= max(float(masks.sum()), 1.0)
+        for name, parameter in self.parameters.items():
+            parameter.grad = grads[name]
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters.values(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        return {**totals, "distill_grad_norm": float(norm)}
+
+    def _accumulate(self, batch: RolloutBatch, advantages: torch.Tensor, coefficients: torch.Tensor,
+                    micro_batch_size: int, grads: dict, totals: dict) -> None:
+        """Add one shard's gradients of L_LoRA to `grads`. advantages: [n]; coefficients: [n, T]."""
+        cfg = self.config
+        width = batch.prompt_ids.shape[1]
         for rows in micro_batches(len(batch), micro_batch_size):
             ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
             with torch.no_grad():  # the dense side: the updated policy, adapter off
@@ -136,14 +162,6 @@ class SamplerAdapter:
             totals["distill_kl"] += float(kl_term)
             gap = (logp_sparse.detach() - logp_dense).abs()
             totals["distill_logp_gap"] += float((gap * batch.response_mask[rows]).sum())
-        totals["distill_logp_gap"] /= max(float(batch.response_mask.sum()), 1.0)
-        for name, parameter in self.parameters.items():
-            parameter.grad = grads[name]
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters.values(), cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        return {**totals, "distill_grad_norm": float(norm)}
 
     def _distill_terms(self, sparse: torch.Tensor, dense_hidden: torch.Tensor, targets: torch.Tensor):
         """Per position: the sparse log-prob of the sampled token, KL(dense ‖ sparse) over the
@@ -175,3 +193,8 @@ class SamplerAdapter:
             for name, parameter in self.parameters.items():
                 parameter.copy_(saved[name])
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+
+
+def sampler_context(adapter: SamplerAdapter | None):
+    """The sparse sampler's context: DistillSparse's adapter on inside (nothing without one)."""
+    return adapter.active() if adapter is not None else contextlib.nullcontext()

@@ -35,8 +35,9 @@ from .config import ConfigError, ExperimentConfig, save_config
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.yaml"
 # Fields that may differ on resume without changing what the run is: its length and its logging.
+# Where the rollouts run does not change the data (the shards do, and they are not in this set).
 RUN_FREE_FIELDS = frozenset({"steps", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
-                             "log_with", "threads"})
+                             "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus"})
 Resume = Literal["never", "must", "auto"]
 
 

@@ -21,17 +21,18 @@ from tqdm import tqdm
 from .calibrate import calibrate_schedule
 from .checkpoint import TrainerState, load_trainer_state, save_checkpoint
 from .config import ExperimentConfig, calibration_budgets
-from .distill_sparse import ADAPTER_DIR, SamplerAdapter, distill_config
+from .distill_sparse import ADAPTER_DIR, SamplerAdapter, distill_config, sampler_context
 from .corrections import CorrectionConfig, compute_corrections, rejection_by_length
 from .presets import load_preset
 from .evaluate import decode_responses, greedy_scores
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
 from .mismatch import bin_tails, rollout_alpha_metrics
-from .models import load_policy, resolve_device, sampling_generator
+from .models import load_policy, resolve_device
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from .sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
 from .rollout.schedule import AdaptiveBudget, BinnedBudget
 from .run_dir import Resume, StopRequest, open_run_dir
 from .tasks.base import reward_columns, walk_metrics
@@ -109,10 +110,12 @@ class GRPOTrainer:
         elif config.rollout.recalibrate_every and self.state.kv_budgets:  # the last recalibration's schedule
             self.compression = dataclasses.replace(
                 self.compression, schedule=BinnedBudget(config.rollout.alpha_bin_size, tuple(self.state.kv_budgets)))
-        sparse = load_preset(config.train.mode).sparse_rollouts
-        self.engine = RolloutEngine(self.model, self.compression if sparse else None,
+        self.sparse = load_preset(config.train.mode).sparse_rollouts
+        self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
                                     record_evictions=self.adapter is not None,  # DistillSparse's replay needs them
-                                    record_distributions=sparse)
+                                    record_distributions=self.sparse)
+        self.rollouts = make_rollouts(config, self.engine, self.adapter, self.device)
+        self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
         self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
@@ -151,6 +154,7 @@ class GRPOTrainer:
                     bar.close()
             failed = False
         finally:
+            self.rollouts.close()
             self.logger.close()
             self.run.release(failed)
         return self.state
@@ -171,14 +175,13 @@ class GRPOTrainer:
 
     def sampler(self):
         """Context of the sparse sampler: DistillSparse's adapter on inside (nothing without one)."""
-        return self.adapter.active() if self.adapter is not None else contextlib.nullcontext()
+        return sampler_context(self.adapter)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.config
         started = time.perf_counter()
         seed = step_seed(cfg.train.seed, step)
-        generator = sampling_generator(self.model, seed)
         examples = self.task.examples(cfg.rollout.prompts_per_step, seed=seed, split="train")
         group = cfg.rollout.group_size
         prompts = [self.tokenizer(e.prompt).input_ids for e in examples for _ in range(group)]
@@ -188,8 +191,12 @@ class GRPOTrainer:
                                   pad_token_id=self.tokenizer.pad_token_id)
         recalibration = self._recalibrate(step) if self._recalibrates_at(step) else {}
         budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
-        with self.sampler():
-            batch = self.engine.generate(prompts, sampling, generator)
+        self.rollouts.sync_weights(self.model, self.state.step)
+        rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
+                                          self.compression if self.sparse else None)
+        batch = concat_rollouts(rollouts.shards, self.tokenizer.pad_token_id)
+        # The minibatch shuffle continues shard 0's sampling generator (as it did before rollouts were sharded).
+        generator = torch.Generator(self.device).set_state(rollouts.generator_state)
         texts = decode_responses(self.tokenizer, batch)
         completion_ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
         rewards = torch.tensor(self.reward(prompts=[e.prompt for e in examples for _ in range(group)], completions=texts,
@@ -213,9 +220,9 @@ class GRPOTrainer:
         logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
                     if self.reference is not None else None)
         # α needs the sampler's whole distributions and the pre-update weights.
-        acceptance = {} if batch.sampler_distribution is None and batch.sampler_topk is None else \
-            rollout_alpha_metrics(self.model, [batch], cfg.rollout.temperature, cfg.rollout.alpha_bin_size,
-                                  micro_batch_size=mb)
+        acceptance = {} if rollouts.shards[0].sampler_distribution is None and rollouts.shards[0].sampler_topk is None \
+            else rollout_alpha_metrics(self.model, rollouts.shards, cfg.rollout.temperature, cfg.rollout.alpha_bin_size,
+                                       micro_batch_size=mb)
         if isinstance(self.compression.schedule, AdaptiveBudget):  # the next step's budgets, from this step's tail
             self.compression.schedule.update(bin_tails(acceptance))
             self.state.kv_budgets = list(self.compression.schedule.budgets)
@@ -262,7 +269,7 @@ class GRPOTrainer:
             update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator,
                                   first_forward)
             if self.adapter is not None:
-                update.update(self.adapter.train_step(batch, advantages, mb))
+                update.update(self.adapter.train_step(rollouts.shards, advantages, mb))
         update_s = time.perf_counter() - update_started
 
         diagnostics = {**_kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),
@@ -274,7 +281,7 @@ class GRPOTrainer:
         self.state.reward_timeouts += counts["reward_timeouts"]
         return {
             "step": step,
-            **self._rollout_metrics(batch, rewards),
+            **rollout_metrics(batch, rewards, rollouts),
             **update,
             **corrections.metrics,
             **{flagged_name: flagged.metrics[name] for name, flagged_name in FLAGGED_METRICS.items()},
@@ -288,9 +295,7 @@ class GRPOTrainer:
             "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
             "starving_steps": self.state.starving_steps,
             **counts,
-            "rollout_s": batch.rollout_seconds, "recompute_s": recompute_s, "update_s": update_s,
-            "step_s": time.perf_counter() - started,
-            "tokens_per_s": float(batch.response_mask.sum()) / max(batch.rollout_seconds, 1e-9),
+            "recompute_s": recompute_s, "update_s": update_s, "step_s": time.perf_counter() - started,
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
@@ -335,24 +340,7 @@ class GRPOTrainer:
         averaged = {k: v / max(steps, 1) for k, v in totals.items()}
         return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
 
-    # ------------------------------------------------------------------ metrics
-    def _rollout_metrics(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
-        lengths = batch.response_lengths.float()
-        kv = batch.kv
-        return {
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((rewards >= 1.0).float().mean()),
-            "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
-            "truncated_frac": float((~batch.ended).float().mean()),
-            "kv_peak_bytes": kv.kv_peak_bytes, "kv_dense_bytes": kv.kv_dense_bytes,
-            "kv_peak_frac": kv.kv_peak_bytes / max(kv.kv_dense_bytes, 1),
-            "kv_kept_tokens_mean": float(kv.kept_tokens.mean()),
-            "kv_evicted_tokens_mean": float(kv.evicted_tokens.mean()),
-            "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
-            "kv_compressions": kv.compressions,
-            "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
-        }
-
+    # ------------------------------------------------------------------ schedules
     def _recalibrates_at(self, step: int) -> bool:
         every = self.config.rollout.recalibrate_every
         # Steps 1, N+1, 2N+1, ...; step 1 only when no schedule file was given to start from.
@@ -371,14 +359,13 @@ class GRPOTrainer:
                                    rollout.alpha_tau, rollout.alpha_bin_size, rollout.calibration_samples,
                                    step_seed(self.config.train.seed, step), progress=False)
         self.compression = dataclasses.replace(self.compression, schedule=found.schedule)
-        self.engine.compression = self.compression
         self.state.kv_budgets = list(found.schedule.budgets)
         return {"recalibrated": 1, "recalibrate_s": time.perf_counter() - started,
                 "recalibration_unmet_bins": len(found.unmet_bins)}
 
     def _schedule_metrics(self) -> dict[str, float]:
         """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
-        schedule = self.engine.compression.schedule if self.engine.compression else None
+        schedule = self.compression.schedule if self.sparse else None
         if schedule is None:
             return {}
         return {f"kv_budget_len_{i * schedule.bin_size}": float(b) for i, b in enumerate(schedule.budgets)}

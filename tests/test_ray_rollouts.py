@@ -1,0 +1,121 @@
+"""Rollouts on Ray workers, on a local Ray started with ray.init(num_cpus=2): two workers give the
+metrics of in-process sampling with the same shards (resume included), a killed or hung worker is
+replaced and its shard sampled again with the same data, and a missing Ray is a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from sparserl.cli import main
+from sparserl.config import load_config
+from sparserl.metrics_log import read_metrics
+from sparserl.ray_rollouts import arrays_from_tensors, tensors_from_arrays
+from sparserl.trainer import GRPOTrainer
+
+# Wall-clock figures differ between any two runs; everything else must be equal.
+TIMING_KEYS = {"rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac",
+               "weight_push_s", "weight_load_s", "rollout_compute_s", "rollout_transfer_s"}
+# Counted only when a worker was lost: what must not change is everything else.
+FAULT_KEYS = {"rollout_retries", "rollout_timeouts"}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _settings(model_dir, out, **extra):
+    return {"model": str(model_dir), "out": str(out), "mode": "sparse-rl", "seed": 5, "prompts_per_step": 4,
+            "group_size": 4, "difficulty": 4, "eval_examples": 8, "eval_every": 2, "checkpoint_every": 1,
+            "threads": 1, "kv_budget": 10, "kv_window": 3, "kv_interval": 3, "log_with": "none", "lr": 3e-3,
+            "entropy_coef": 0.05, **extra}
+
+
+def _argv(settings: dict, steps: int, *flags: str) -> list[str]:
+    argv = ["train", "--steps", str(steps), *flags]
+    for key, value in settings.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _comparable(path, drop=frozenset()):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS | drop} for r in read_metrics(path / "metrics.jsonl")]
+
+
+def test_two_workers_equal_in_process_shards_with_distill_sparse_and_resume(local_ray, tiny_model_dir, tmp_path):
+    common = {"distill_sparse": "true", "distill_rank": 2}
+    local = _settings(tiny_model_dir, tmp_path / "local", rollout_shards=2, **common)
+    workers = _settings(tiny_model_dir, tmp_path / "workers", rollout_workers=2, **common)
+    assert main(_argv(local, 3)) == 0
+    assert main(_argv(workers, 2)) == 0
+    assert main(_argv(workers, 3, "--resume")) == 0
+    in_process, on_workers = _comparable(tmp_path / "local"), _comparable(tmp_path / "workers")
+    assert [r["step"] for r in on_workers] == [0, 1, 2, 3]
+    assert in_process == on_workers
+    assert all(r["rollout_retries"] == 0 for r in on_workers[1:])
+    # The weights (policy and adapter) ended identical, and training moved them.
+    for part in ("policy/model.safetensors", "sampler_adapter/adapter.safetensors"):
+        a = load_file(tmp_path / "local" / "checkpoints" / "step_000003" / part)
+        b = load_file(tmp_path / "workers" / "checkpoints" / "step_000003" / part)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _trainer_with_fault(settings: dict, fault) -> tuple[GRPOTrainer, threading.Thread]:
+    """A trainer whose first rollout request sets off `fault(pids)` from another thread."""
+    trainer = GRPOTrainer(load_config(None, settings))
+    pids = trainer.rollouts.worker_pids()
+    requested = threading.Event()
+    generate = trainer.rollouts.generate
+
+    def generate_and_signal(*args, **kwargs):
+        requested.set()
+        return generate(*args, **kwargs)
+
+    trainer.rollouts.generate = generate_and_signal
+    thread = threading.Thread(target=lambda: (requested.wait(60), fault(pids)), daemon=True)
+    thread.start()
+    return trainer, thread
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "hang"])
+def test_a_lost_worker_is_replaced_and_its_shard_sampled_again(local_ray, tiny_model_dir, tmp_path, fault):
+    # Long responses, so that the fault lands while the shards are being sampled.
+    long = {"max_new_tokens": 160, "ignore_eos": "true", "eval_every": 0, "checkpoint_every": 2}
+    assert main(_argv(_settings(tiny_model_dir, tmp_path / "local", rollout_shards=2, **long), 2)) == 0
+    settings = _settings(tiny_model_dir, tmp_path / "workers", steps=2, rollout_workers=2, **long)
+    if fault == "hang":
+        settings["rollout_timeout"] = 4.0
+        signal_to_send = signal.SIGSTOP  # the process stays, but answers nothing
+    else:
+        signal_to_send = signal.SIGKILL
+    trainer, thread = _trainer_with_fault(settings, lambda pids: os.kill(pids[0], signal_to_send))
+    trainer.train()
+    thread.join()
+    records = read_metrics(tmp_path / "workers" / "metrics.jsonl")
+    assert sum(r["rollout_retries"] for r in records) >= 1
+    assert sum(r["rollout_timeouts"] for r in records) == (1 if fault == "hang" else 0)
+    assert _comparable(tmp_path / "local", FAULT_KEYS) == _comparable(tmp_path / "workers", FAULT_KEYS)
+
+
+def test_without_ray_installed_workers_are_a_clear_error(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets when the extra is not installed
+    assert main(_argv(_settings(tiny_model_dir, tmp_path / "run", rollout_workers=2), 1)) == 2
+    error = capsys.readouterr().err
+    assert 'pip install -e ".[ray]"' in error and "--rollout-workers 0" in error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weights_survive_the_trip_through_numpy_bitwise(dtype):
+    state = {"w": torch.randn(3, 5).to(dtype), "b": torch.randn(7).to(dtype)[::2]}  # a strided view too
+    back = tensors_from_arrays(arrays_from_tensors(state))
+    assert all(back[k].dtype == dtype and torch.equal(back[k], state[k]) for k in state)

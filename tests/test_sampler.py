@@ -1,0 +1,72 @@
+"""Shards of a step's prompt groups: the plan, the seeds, and merging the shards' batches for the learner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparserl.rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig
+from sparserl.rollout.kv_cache import KVStats
+from sparserl.sampler import LocalRollouts, Sampler, concat_rollouts, plan_shards, shard_seed
+from conftest import make_tiny_model
+
+
+def test_shards_hold_whole_groups_in_order_and_the_first_ones_take_the_remainder():
+    prompts = [[g] for g in range(5) for _ in range(3)]  # 5 groups of 3 rows
+    plan = plan_shards(prompts, group_size=3, shards=2, step_seed=11)
+    assert [s.prompts for s in plan] == [[[0]] * 3 + [[1]] * 3 + [[2]] * 3, [[3]] * 3 + [[4]] * 3]
+    assert [s.index for s in plan] == [0, 1]
+    with pytest.raises(ValueError):
+        plan_shards(prompts, group_size=3, shards=6, step_seed=11)  # more shards than groups
+
+
+def test_shard_zero_keeps_the_step_seed_and_the_others_differ_across_steps_and_shards():
+    assert shard_seed(12345, 0) == 12345
+    seeds = {shard_seed(step, index) for step in range(100) for index in range(1, 8)}
+    assert len(seeds) == 700 and all(0 <= s < 2 ** 63 for s in seeds)
+
+
+def _batch(prompt_rows, response_rows, logprob):
+    """A hand-written batch: prompts left-padded with 0, responses right-padded with 0."""
+    width = max(map(len, prompt_rows))
+    span = max(map(len, response_rows))
+    prompt_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_rows])
+    response_ids = torch.tensor([r + [0] * (span - len(r)) for r in response_rows])
+    response_mask = torch.tensor([[1.0] * len(r) + [0.0] * (span - len(r)) for r in response_rows])
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_ids != 0, response_ids=response_ids,
+                        response_mask=response_mask, sampler_logprobs=response_mask * logprob,
+                        prompt_lengths=torch.tensor([len(p) for p in prompt_rows]),
+                        response_lengths=torch.tensor([len(r) for r in response_rows]),
+                        ended=torch.tensor([True] * len(prompt_rows)), rollout_seconds=1.0,
+                        kv=KVStats(kv_peak_bytes=10, kv_dense_bytes=20, compressions=1,
+                                   kept_tokens=torch.ones(len(prompt_rows)),
+                                   evicted_tokens=torch.zeros(len(prompt_rows))))
+
+
+def test_merged_shards_are_padded_to_the_widest_prompt_and_response():
+    a = _batch([[5, 6, 7]], [[8]], -1.0)
+    b = _batch([[9], [3, 4]], [[2, 2, 2], [1]], -2.0)
+    merged = concat_rollouts([a, b], pad_token_id=0)
+    assert merged.prompt_ids.tolist() == [[5, 6, 7], [0, 0, 9], [0, 3, 4]]
+    assert merged.prompt_mask.tolist() == [[True] * 3, [False, False, True], [False, True, True]]
+    assert merged.response_ids.tolist() == [[8, 0, 0], [2, 2, 2], [1, 0, 0]]
+    assert merged.sampler_logprobs.tolist() == [[-1, 0, 0], [-2, -2, -2], [-2, 0, 0]]
+    assert merged.response_lengths.tolist() == [1, 3, 1] and merged.prompt_lengths.tolist() == [3, 1, 2]
+    assert merged.kv.kv_peak_bytes == 20 and merged.kv.kv_dense_bytes == 40 and merged.kv.compressions == 2
+    assert merged.kv.kept_tokens.tolist() == [1, 1, 1]
+    assert concat_rollouts([a], pad_token_id=0) is a
+
+
+def test_sharded_sampling_gives_each_shard_the_rows_it_would_have_alone():
+    """Shard k sampled in a step equals that shard's prompts sampled alone with its seed."""
+    model, tokenizer = make_tiny_model()
+    sampling = SamplingConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    prompts = [[5, 6, 7]] * 2 + [[8, 9]] * 2 + [[10]] * 2
+    plan = plan_shards(prompts, group_size=2, shards=2, step_seed=7)
+    step = LocalRollouts(Sampler(RolloutEngine(model))).generate(plan, sampling, None)
+    alone = RolloutEngine(model).generate(plan[1].prompts, sampling,
+                                          torch.Generator().manual_seed(shard_seed(7, 1)))
+    assert torch.equal(step.shards[1].response_ids, alone.response_ids)
+    assert torch.equal(step.shards[1].sampler_logprobs, alone.sampler_logprobs)
+    assert len(step.shards[0]) == 4 and len(step.shards[1]) == 2
+
