@@ -78,3 +78,26 @@ def test_decode_loop_host_syncs(monkeypatch, eos, compression):
     engine.generate([[5] * 10] * 4, sampling, torch.Generator().manual_seed(0))
     per_step = counts["n"] / steps
     assert per_step <= (1.0 if eos else 0.0) + 0.5, counts
+
+
+def test_the_dense_recompute_runs_sdpa_and_matches_eager_attention(tiny_model_dir, monkeypatch):
+    from sparserl.models import load_policy
+    from sparserl.recompute import response_logprobs
+    from sparserl.rollout import attention
+
+    model, _ = load_policy(str(tiny_model_dir))
+    ids = torch.randint(3, 20, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # a left-padded row
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    monkeypatch.setattr(attention, "attend", lambda *a, **k: pytest.fail("the recompute used the masked path"))
+    with torch.no_grad():
+        fast, _ = response_logprobs(model, ids, mask, 6)
+    assert model.config._attn_implementation == "sdpa" and len(calls) == model.config.num_hidden_layers
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        eager, _ = response_logprobs(model, ids, mask, 6)
+    torch.testing.assert_close(fast, eager, atol=1e-5, rtol=0)

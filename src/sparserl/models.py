@@ -87,7 +87,9 @@ def load_policy(path: str | None, dtype: torch.dtype = torch.float32, device: to
     check_model_dir(directory)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        # SDPA for every forward outside a rollout or replay (the recompute, the update, evaluation);
+        # the engine and the replay switch to their own masked attention while they run.
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
     except Exception as error:  # noqa: BLE001 - safetensors, json and torch each raise their own kind
         raise ModelFilesError(f"cannot load the model in {directory} ({type(error).__name__}: "
                               f"{str(error).splitlines()[0] if str(error) else 'no detail'}); a file there is "
