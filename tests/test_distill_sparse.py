@@ -4,6 +4,11 @@ exactly, trained, checkpointed and resumed."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -104,6 +109,29 @@ def test_training_checkpoints_the_adapter_apart_and_resumes_exactly(tiny_model_d
     assert set(policy) == set(plain)
     adapter = load_file(checkpoint / "sampler_adapter" / "adapter.safetensors")
     assert adapter and all("lora_" in k for k in adapter)
+
+
+def test_sigkill_then_resume_repeats_the_uninterrupted_run_adapter_included(tiny_model_dir, tmp_path):
+    steps = 12
+    assert main(_train(tiny_model_dir, tmp_path / "straight", steps)) == 0
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "sparserl.cli", *_train(tiny_model_dir, killed, steps)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(killed / "metrics.jsonl")) < 5:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    done = len(read_metrics(killed / "metrics.jsonl")) - 1
+    assert 0 < done < steps, "the run should have been killed part-way"
+    assert main(_train(tiny_model_dir, killed, steps, "--resume")) == 0
+    timings = ("rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac")
+    straight, resumed = ([{k: v for k, v in r.items() if k not in timings} for r in read_metrics(d / "metrics.jsonl")]
+                         for d in (tmp_path / "straight", killed))
+    assert straight == resumed
+    final = [load_file(d / "checkpoints" / f"step_{steps:06d}" / "sampler_adapter" / "adapter.safetensors")
+             for d in (tmp_path / "straight", killed)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
 def test_distill_needs_sparse_rollouts():
