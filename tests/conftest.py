@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -31,3 +37,22 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def kill_part_way_then_resume(argv: list[str], out, steps: int, lines: int) -> int:
+    """Run `sparserl` with `argv` in a subprocess, SIGKILL it once its metrics hold `lines` records,
+    then resume it in this process to `steps`. Returns the steps the killed run had logged."""
+    from sparserl.cli import main
+    from sparserl.metrics_log import read_metrics
+
+    process = subprocess.Popen([sys.executable, "-m", "sparserl.cli", *argv],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(out / "metrics.jsonl")) < lines:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    done = len(read_metrics(out / "metrics.jsonl")) - 1
+    assert 0 < done < steps, "the run should have been killed part-way"
+    assert main([*argv, "--resume"]) == 0
+    return done

@@ -4,17 +4,12 @@ exactly, trained, checkpointed and resumed."""
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_tiny_model
+from conftest import kill_part_way_then_resume, make_tiny_model
 from sparserl.cli import main
 from sparserl.distill_sparse import DistillConfig, SamplerAdapter
 from sparserl.metrics_log import read_metrics
@@ -115,16 +110,7 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run_adapter_included(tiny
     steps = 12
     assert main(_train(tiny_model_dir, tmp_path / "straight", steps)) == 0
     killed = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "sparserl.cli", *_train(tiny_model_dir, killed, steps)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(read_metrics(killed / "metrics.jsonl")) < 5:
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    done = len(read_metrics(killed / "metrics.jsonl")) - 1
-    assert 0 < done < steps, "the run should have been killed part-way"
-    assert main(_train(tiny_model_dir, killed, steps, "--resume")) == 0
+    kill_part_way_then_resume(_train(tiny_model_dir, killed, steps), killed, steps, lines=5)
     timings = ("rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac")
     straight, resumed = ([{k: v for k, v in r.items() if k not in timings} for r in read_metrics(d / "metrics.jsonl")]
                          for d in (tmp_path / "straight", killed))

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import kill_part_way_then_resume
 from sparserl.cli import main
 from sparserl.config import MODES
 from sparserl.presets import RECOMMENDED
@@ -55,16 +51,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_pa
     steps = 24
     assert main(_args(tiny_model_dir, tmp_path / "straight", steps)) == 0
     killed = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "sparserl.cli", *_args(tiny_model_dir, killed, steps)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(read_metrics(killed / "metrics.jsonl")) < 8:
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    done = len(read_metrics(killed / "metrics.jsonl")) - 1
-    assert 0 < done < steps, "the run should have been killed part-way"
-    assert main(_args(tiny_model_dir, killed, steps, extra=["--resume"])) == 0
+    kill_part_way_then_resume(_args(tiny_model_dir, killed, steps), killed, steps, lines=8)
     assert _without_timings(read_metrics(tmp_path / "straight" / "metrics.jsonl")) == \
         _without_timings(read_metrics(killed / "metrics.jsonl"))
     leftovers = [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp")]
