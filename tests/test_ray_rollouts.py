@@ -119,3 +119,11 @@ def test_weights_survive_the_trip_through_numpy_bitwise(dtype):
     state = {"w": torch.randn(3, 5).to(dtype), "b": torch.randn(7).to(dtype)[::2]}  # a strided view too
     back = tensors_from_arrays(arrays_from_tensors(state))
     assert all(back[k].dtype == dtype and torch.equal(back[k], state[k]) for k in state)
+
+
+def test_an_unreachable_cluster_is_a_clear_error_in_seconds(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # whatever an earlier test left running
+    settings = _settings(tiny_model_dir, tmp_path / "run", rollout_workers=2, ray_address="127.0.0.1:9")
+    assert main(_argv(settings, 1)) == 2
+    error = capsys.readouterr().err
+    assert "--ray-address 127.0.0.1:9: cannot join a Ray cluster" in error and "ray status" in error

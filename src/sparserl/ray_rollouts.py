@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
 import time
 import warnings
 
@@ -65,6 +66,26 @@ def tensors_from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, 
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {name: torch.from_numpy(array).view(getattr(torch, dtype.removeprefix("torch.")))
                 for name, (array, dtype) in arrays.items()}
+
+
+def _join(ray, address: str) -> None:
+    """`ray.init(address=...)`, with an unreachable HOST:PORT refused in seconds (Ray itself retries
+    for minutes) and every failure said as what to check."""
+    problem = None
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and "://" not in address:
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as error:
+            problem = f"nothing answers there ({error})"
+    if problem is None:
+        try:
+            ray.init(address=address)
+            return
+        except ConnectionError as error:
+            problem = str(error)
+    raise ConfigError(f"--ray-address {address}: cannot join a Ray cluster: {problem}. Is it running (`ray status` "
+                      "on its head node)? Leave --ray-address out to start a local one")
 
 
 class RolloutWorker:
@@ -116,7 +137,7 @@ class RayRollouts:
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             if rollout.ray_address:
-                ray.init(address=rollout.ray_address)
+                _join(ray, rollout.ray_address)
             else:
                 ray.init(num_cpus=rollout.rollout_workers * rollout.worker_cpus, include_dashboard=False)
         self.timeout = rollout.rollout_timeout
