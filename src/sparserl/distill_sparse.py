@@ -159,7 +159,7 @@ class SamplerAdapter:
                 for grad, part in zip(grads.values(), torch.autograd.grad(loss, list(self.parameters.values()))):
                     grad += part
             totals["distill_pg_loss"] += float(terms.pg_loss)
-            totals["distill_kl"] += float(kl_term)
+            totals["distill_kl"] += float(kl_term.detach())
             gap = (logp_sparse.detach() - logp_dense).abs()
             totals["distill_logp_gap"] += float((gap * batch.response_mask[rows]).sum())
 
