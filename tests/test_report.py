@@ -137,3 +137,67 @@ def test_a_scheduled_mode_gets_its_budget_plot(tmp_path):
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     assert f"![{SCHEDULE_PLOT}]({SCHEDULE_PLOT})" in write_report(out).read_text()
     assert (out / SCHEDULE_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _alpha_step(step: int, tails: dict[int, float], mean: float) -> dict:
+    """A step record with α tails per cached-length bin; `alpha_tail` is their minimum, as logged."""
+    return _step(step, 0.5, 0.6, 0.0, 0.1, alpha_mean=mean, alpha_tail=min(tails.values()),
+                 **{f"alpha_tail_len_{start}": tail for start, tail in tails.items()})
+
+
+def _alpha_compare_dir(tmp_path):
+    """dense (no α), sparse-rl over two seeds, and sparse-tis trained with DistillSparse (one seed);
+    τ = 0.9, bins of 16 cached tokens."""
+    config = {"task": {"task": "pointer_walk", "difficulty": 26}, "train": {"steps": 2, "seed": 0},
+              "rollout": {"kv_policy": "rkv", "kv_budget": 56, "alpha_tau": 0.9, "alpha_bin_size": 16}}
+    (tmp_path / "compare.json").write_text(json.dumps(
+        {"modes": ["dense", "sparse-rl", "sparse-tis"], "seeds": [0, 1], "config": config}))
+    _write_run(tmp_path, "dense", 0, 0.5, 0.8, kept=1.0, veto_flagged=0.0)
+    runs = {("sparse-rl", 0): ({32: 1.0, 48: 0.95, 64: 0.5}, {32: 1.0, 48: 0.85, 64: 0.7}),
+            ("sparse-rl", 1): ({32: 0.98, 48: 0.91, 64: 0.3}, {32: 0.96, 48: 0.93}),
+            ("sparse-tis", 0): ({32: 1.0, 48: 0.95, 64: 0.5}, {32: 1.0, 48: 0.97, 64: 0.92})}
+    for (mode, seed), (first, last) in runs.items():
+        run = tmp_path / mode / f"seed{seed}"
+        run.mkdir(parents=True)
+        records = [{"step": 0, "eval_accuracy_dense": 0.5}, _alpha_step(1, first, 0.96), _alpha_step(2, last, 0.98)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run / "config.yaml").write_text(f"train:\n  mode: {mode}\n  distill_sparse: {str(mode == 'sparse-tis').lower()}\n")
+    return tmp_path
+
+
+def test_alpha_tail_table_by_bin_with_bins_below_tau(tmp_path):
+    from sparserl.report_plots import ALPHA_PLOT
+
+    out = _alpha_compare_dir(tmp_path)
+    text = write_report(out).read_text()
+    section = text.split("## Acceptance rate α per cached-length bin")[1].split("## Plots")[0]
+    assert "τ = 0.9 (`alpha_tau`)" in section
+    header = next(line for line in section.splitlines() if line.startswith("| Mode"))
+    assert header == "| Mode | Step | len 32–47 | len 48–63 | len 64–79 | worst bin (`alpha_tail`) | α mean |"
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| Mode")]
+    # sparse-rl, step 1: bin 32 (1.0 + 0.98) / 2, bin 48 (0.95 + 0.91) / 2 >= τ, bin 64 (0.5 + 0.3) / 2 < τ;
+    # the worst bin is 64 in both seeds. Step 2: bin 48 (0.85 + 0.93) / 2 = 0.89 < τ; bin 64 only in seed 0;
+    # worst bins 0.7 (seed 0, bin 64) and 0.93 (seed 1, bin 48).
+    assert rows[0] == ["sparse-rl", "first (1)", "0.990 (0.980–1.000)", "0.930 (0.910–0.950)",
+                       "**0.400 (0.300–0.500)**", "**0.400 (0.300–0.500)**", "0.960 (0.960–0.960)"]
+    assert rows[1] == ["sparse-rl", "last (2)", "0.980 (0.960–1.000)", "**0.890 (0.850–0.930)**",
+                       "**0.700** (1 of 2 seeds)", "**0.815 (0.700–0.930)**", "0.980 (0.980–0.980)"]
+    # DistillSparse is in the label, and only seed 0 ran: single values, every bin >= τ at the last step.
+    assert rows[2] == ["sparse-tis + DistillSparse", "first (1)", "1.000", "0.950", "**0.500**", "**0.500**", "0.960"]
+    assert rows[3] == ["sparse-tis + DistillSparse", "last (2)", "1.000", "0.970", "0.920", "0.920", "0.980"]
+    assert len(rows) == 4  # dense logged no α: no row
+    assert "| sparse-tis + DistillSparse (1 incomplete) (1 of 2 seeds) |" in text  # so does the main table
+    assert f"![{ALPHA_PLOT}]({ALPHA_PLOT})" in text
+    assert (out / ALPHA_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_report_without_alpha_has_no_alpha_section(tmp_path):
+    from sparserl.report_plots import ALPHA_PLOT
+
+    out = _compare_dir(tmp_path)
+    meta = json.loads((out / "compare.json").read_text())
+    (out / "compare.json").write_text(json.dumps({**meta, "modes": ["dense"]}))
+    text = write_report(out).read_text()
+    assert "Acceptance rate α" not in text and ALPHA_PLOT not in text and not (out / ALPHA_PLOT).exists()
+    assert "| dense |" in text

@@ -2,8 +2,9 @@
 
 `write_report(dir)` reads `dir/compare.json` (modes, seeds, config) and, for each mode and seed,
 `dir/<mode>/seed<S>/metrics.jsonl` and `final_eval.json`. It writes the plots (`report_plots.py`)
-and `report.md` into `dir`. `paper_table(dir)` returns the regime line and the main table, for
-the command line to print.
+and `report.md` into `dir`, with the α tail per length bin (`report_alpha.py`) where runs logged
+it. `paper_table(dir)` returns the regime line and the main table, for the command line to print.
+A mode whose runs trained DistillSparse is labelled "<mode> + DistillSparse".
 
 Every cell is the mean over seeds with the min–max range. A verdict (improved, held, degraded,
 collapsed; a paper claim met or not met) is stated only when every seed agrees; otherwise it is
@@ -21,6 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 MIB = 1024 ** 2
 # Thresholds of the verdicts, stated in the report too.
 COLLAPSE_FRAC = 0.5     # collapsed: final dense-inference accuracy < 50% of its step-0 value
@@ -35,6 +38,8 @@ MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean
                  ("flagged_band_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"),
                  ("walk_exact", "mean"))
 DASH = "—"
+# A DistillSparse run's mode label: the preset alone would not tell it from the same mode without.
+DISTILL_SUFFIX = " + DistillSparse"
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -108,13 +113,23 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     return s
 
 
+def label(mode: str, run_dirs: list[Path], config: dict) -> str:
+    """The mode's name in the report: its preset, with `DISTILL_SUFFIX` when its runs trained the
+    sampler adapter (from the first run's saved config.yaml, else the comparison's config)."""
+    saved = next((d / "config.yaml" for d in run_dirs if (d / "config.yaml").is_file()), None)
+    run_config = (yaml.safe_load(saved.read_text()) or {}) if saved else config
+    return mode + (DISTILL_SUFFIX if _setting(run_config, "distill_sparse", False) else "")
+
+
 def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
-    """(compare.json, {mode: [one summary per seed]})."""
+    """(compare.json, {label: [one summary per seed]}), labels as `label` gives them."""
     compare_dir = Path(compare_dir)
     meta = _read_json(compare_dir / "compare.json") or {}
     seeds = meta.get("seeds") or [0]
-    runs = {mode: [summarise_run(mode, compare_dir / mode / f"seed{seed}") for seed in seeds]
-            for mode in meta.get("modes", [])}
+    runs = {}
+    for mode in meta.get("modes", []):
+        run_dirs = [compare_dir / mode / f"seed{seed}" for seed in seeds]
+        runs[label(mode, run_dirs, meta.get("config") or {})] = [summarise_run(mode, d) for d in run_dirs]
     return meta, runs
 
 
@@ -294,12 +309,13 @@ def _length_table(runs: dict[str, list[dict]]) -> str:
 
 def write_report(compare_dir: Path) -> Path:
     """Write the plots and report.md into `compare_dir`; return report.md's path."""
+    from .report_alpha import alpha_section, alpha_tau
     from .report_plots import write_plots
 
     compare_dir = Path(compare_dir)
     meta, runs = load(compare_dir)
-    plots = write_plots(compare_dir, runs)
     c = meta.get("config") or {}
+    plots = write_plots(compare_dir, runs, alpha_tau(c))
     g = lambda k: _setting(c, k)  # noqa: E731
     seeds = meta.get("seeds") or [0]
     note = caveat(runs, c)
@@ -318,6 +334,7 @@ def write_report(compare_dir: Path) -> Path:
         "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
         _mismatch_table(runs), "",
         "## Sequences flagged by the veto, by response length", "", _length_table(runs), "",
+        *alpha_section(runs, c),
         "## Plots", "", *[f"![{name}]({name})\n" for name in plots],
         "## Verdicts", "",
         f"Thresholds: *collapsed* if final dense-inference accuracy < {COLLAPSE_FRAC:.0%} of its step-0 value; "

@@ -1,7 +1,8 @@
 """The comparison report's plots: one line per mode (the mean over seeds) with its min–max band.
 
-`write_plots(dir, runs)` takes the per-seed run summaries of `sparserl.report.load` and writes the
-PNGs named in `PLOTS`. Legends sit outside the axes so that they never cover data.
+`write_plots(dir, runs, tau)` takes the per-seed run summaries of `sparserl.report.load` and writes
+the PNGs named in `PLOTS` (and `SCHEDULE_PLOT`, `ALPHA_PLOT` where they apply). Legends sit outside
+the axes so that they never cover data.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ matplotlib.use("Agg")  # before pyplot: reports are written on headless machines
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .report import series  # noqa: E402
+from .report import DISTILL_SUFFIX, series  # noqa: E402
+from .report_alpha import alpha_runs, bins_over_seeds, first_last, step_span  # noqa: E402
 
 MODE_COLOURS = {"dense": "#1f77b4", "naive-sparse": "#d62728", "sparse-rl": "#2ca02c",
                 "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd", "sparrow": "#8c564b", "geo-rs": "#e377c2",
                 "k3-rs": "#7f7f7f", "seq-mask-tis": "#bcbd22", "prefix-veto-tis": "#17becf"}
 PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "rejection.png", "kv_memory.png", "rollout_time.png")
 SCHEDULE_PLOT = "kv_budget.png"  # only when some run had a budget schedule
+ALPHA_PLOT = "alpha_tail.png"  # only when some run logged the α tail per cached-length bin
 
 
 def _colour(mode: str, i: int) -> str:
-    return MODE_COLOURS.get(mode, f"C{i % 10}")
+    return MODE_COLOURS.get(mode.removesuffix(DISTILL_SUFFIX), f"C{i % 10}")
 
 
 def _across_seeds(seeds: list[dict], key: str, records: str = "steps") -> tuple[list[int], list[float], list[float], list[float]]:
@@ -94,8 +97,36 @@ def _budget_schedules(path: Path, runs: dict[str, list[dict]]) -> bool:
     return True
 
 
-def write_plots(out: Path, runs: dict[str, list[dict]]) -> list[str]:
-    """Write the plots; return the names written (`PLOTS`, and `SCHEDULE_PLOT` when it applies)."""
+def _alpha_tails(path: Path, runs: dict[str, list[dict]], tau: float) -> bool:
+    """Left: the α tail per cached-length bin at the first (solid) and last (dashed) logged step, mean
+    over seeds with the min–max band; right: the worst bin's tail over training."""
+    logged = alpha_runs(runs)
+    if not logged:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    for i, (mode, seeds) in enumerate(runs.items()):
+        for which, style in ((0, "-"), (1, "--")) if mode in logged else ():
+            records = [r for r in (first_last(s["steps"])[which] for s in seeds) if r]
+            tails = bins_over_seeds(records)
+            x = list(tails)
+            left.plot(x, [sum(v) / len(v) for v in tails.values()], style, marker="o", ms=3, lw=1.3,
+                      color=_colour(mode, i), label=f"{mode}, step {step_span(records)}")
+            if len(records) > 1:
+                left.fill_between(x, [min(v) for v in tails.values()], [max(v) for v in tails.values()],
+                                  color=_colour(mode, i), alpha=0.15, lw=0)
+    _plot(right, runs, "alpha_tail")
+    for ax in (left, right):
+        ax.axhline(tau, color="k", ls=":", lw=1, label=f"τ = {tau}")
+    left.set(title="α tail (5th percentile) per cached-length bin: first step (solid), last (dashed)",
+             xlabel="bin start (cached tokens)", ylabel="α tail")
+    right.set(title="Worst bin's α tail (alpha_tail) over training", xlabel="step", ylabel="alpha_tail")
+    _finish(fig, path, [left, right])
+    return True
+
+
+def write_plots(out: Path, runs: dict[str, list[dict]], tau: float) -> list[str]:
+    """Write the plots; return the names written (`PLOTS`, then `SCHEDULE_PLOT` and `ALPHA_PLOT` when
+    they apply). `tau` is the config's `alpha_tau`, drawn on the α plot."""
     fig, ax = plt.subplots(figsize=(8, 4))
     _plot(ax, runs, "reward_mean")
     ax.set(title="Training reward (mean over seeds, band: min–max)", xlabel="step", ylabel="reward_mean")
@@ -142,4 +173,5 @@ def write_plots(out: Path, runs: dict[str, list[dict]]) -> list[str]:
     left.set(title="Response tokens rejected by the applied filters", xlabel="step", ylabel="%")
     right.set(title="Sequences removed whole by the applied filters", xlabel="step", ylabel="%")
     _finish(fig, out / "rejection.png", [left, right])
-    return list(PLOTS) + ([SCHEDULE_PLOT] if _budget_schedules(out / SCHEDULE_PLOT, runs) else [])
+    return list(PLOTS) + ([SCHEDULE_PLOT] if _budget_schedules(out / SCHEDULE_PLOT, runs) else []) + \
+        ([ALPHA_PLOT] if _alpha_tails(out / ALPHA_PLOT, runs, tau) else [])
