@@ -55,3 +55,12 @@ def test_compare_resumes_by_skipping_finished_runs_and_adds_seeds(tiny_model_dir
     assert first[0]["logppl_sampler"] != first[1]["logppl_sampler"]
     manifest = json.loads((out / "compare.json").read_text())
     assert manifest["modes"] == ["dense", "sparse-rl"] and manifest["seeds"] == [1, 2]
+
+
+def test_compare_with_distill_sparse_trains_the_adapter_in_sparse_modes_only(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main([*_args(tiny_model_dir, out, "dense,sparse-tis"), "--distill-sparse", "true", "--distill-rank", "2"]) == 0
+    assert "distill_sparse: false" in (out / "dense" / "seed1" / "config.yaml").read_text()
+    assert "distill_sparse: true" in (out / "sparse-tis" / "seed1" / "config.yaml").read_text()
+    assert (out / "sparse-tis" / "seed1" / "checkpoints" / "step_000002" / "sampler_adapter").is_dir()
+    assert "sparse-tis + DistillSparse" in (out / "report.md").read_text()

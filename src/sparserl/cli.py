@@ -265,14 +265,26 @@ def _calibrate(args) -> int:
 
 def _compare(args) -> int:
     from .compare import run_compare
-
     from .config import load_config
     from .config_flags import overrides_from_args
+    from .presets import PresetError, load_preset
 
     overrides = overrides_from_args(args)
-    config_for_mode = lambda mode: load_config(args.config, {**overrides, "mode": mode})  # noqa: E731
-    seeds = [config_for_mode("dense").train.seed] if args.seeds is None else _int_list(args.seeds, "seeds")
-    run_compare(config_for_mode, [m.strip() for m in args.modes.split(",") if m.strip()], seeds)
+
+    def config_for_mode(mode: str):
+        settings = {**overrides, "mode": mode}
+        try:
+            dense = not load_preset(mode).sparse_rollouts
+        except PresetError:
+            dense = False  # run_compare names the unknown mode
+        if dense:  # DistillSparse and recalibration belong to sparse samplers; the dense baseline runs without
+            settings.update(distill_sparse=False, recalibrate_every=0)
+        return load_config(args.config, settings)
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    seeds = [config_for_mode(modes[0] if modes else "dense").train.seed] if args.seeds is None \
+        else _int_list(args.seeds, "seeds")
+    run_compare(config_for_mode, modes, seeds)
     return 0
 
 
