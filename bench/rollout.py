@@ -2,12 +2,16 @@
 
     python bench/rollout.py --threads 1 [--quick] [--models builtin,30m] [--lengths 512,1024,2048,4096]
                             [--policies h2o,pyramidkv,rkv,snapkv,streamingllm] [--lengths-30m 4096]
-                            [--policies-30m ...] [--hf-30m] [--batch 32] [--json FILE] [--profile MODEL:L:POLICY]
+                            [--policies-30m ...] [--hf-30m] [--block-dense-layers 2,0] [--batch 32] [--json FILE]
+                            [--profile MODEL:L:POLICY]
 
 For each model and each total length L (prompt + response), every row of a batch of --batch rows gets
 a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS disabled), with:
 - dense: `RolloutEngine(model, None)`;
 - each KV policy at B = L/4: `KVCompression(policy, budget=L//4, window=8, interval=max(8, L//32))`;
+- block-sparse attention at the same B (`--block-dense-layers`, builtin model only): full KV kept, each
+  decode step of a sparse layer attends to B/16 pages of 16 tokens, `BlockSparsity(budget=L//4, page_size=16,
+  dense_layers=d)` for each d given (row `block dD`); the `attended` column is `kv.attended_frac`;
 - the reference setting (Sparse-RL): rkv at B=512, interval 128, window 8, at L = 4096 only;
 - HF `model.generate` on the same model and prompts (do_sample, temperature 1, no top-k/top-p,
   min_new_tokens = max_new_tokens = L - 64, use_cache) as a peer for the dense engine.
@@ -55,6 +59,7 @@ from common import contention_probe
 PROMPT_LEN = 64
 WINDOW = 8
 REFERENCE = {"policy": "rkv", "budget": 512, "interval": 128, "length": 4096}
+BLOCK_PAGE = 16
 ALL_MODELS = ("builtin", "30m")
 
 
@@ -72,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV policies at B = L/4 for the 30m model (default none: dense + the rkv reference row only)")
     p.add_argument("--hf-30m", action="store_true",
                    help="also run HF generate on the 30m model (off by default: ~15 min at L=4096)")
+    p.add_argument("--block-dense-layers", default="",
+                   help="block-sparse rows at B = L/4 for the builtin model, one per count of dense first layers "
+                        "(comma list, e.g. 2,0; default none)")
     p.add_argument("--batch", type=int, default=32, help="rows per rollout, 32..64 (default 32)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate peer rows")
@@ -96,6 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for length in args.length_lists["builtin"] + args.length_lists["30m"]:
         if length <= PROMPT_LEN or length % 32:
             p.error(f"length {length} must be a multiple of 32 above {PROMPT_LEN}")
+    args.block_list = [int(x) for x in args.block_dense_layers.split(",") if x]
     args.policy_lists = {"builtin": [x for x in args.policies.split(",") if x],
                          "30m": [x for x in args.policies_30m.split(",") if x]}
     for names in args.policy_lists.values():
@@ -152,7 +161,7 @@ def run_ours(model, prompts, length: int, comp, seed: int) -> dict:
     return {"tokens": tokens, "rollout_s": batch.rollout_seconds, "tokens_per_s": tokens / batch.rollout_seconds,
             "peak_bytes": kv.kv_peak_bytes, "dense_bytes": kv.kv_dense_bytes,
             "compressions": kv.compressions, "compress_s": kv.compress_seconds,
-            "compress_share": kv.compress_seconds / batch.rollout_seconds}
+            "compress_share": kv.compress_seconds / batch.rollout_seconds, "attended": kv.attended_frac}
 
 
 def run_hf(model, prompts, length: int, seed: int, eos: int) -> dict:
@@ -173,11 +182,14 @@ def run_hf(model, prompts, length: int, seed: int, eos: int) -> dict:
 
 
 def configs_for(args, model_name: str, length: int):
-    """(label, policy, budget, interval) for every row of one (model, L); policy None = dense, 'hf' = HF."""
+    """(label, policy, budget, interval) for every row of one (model, L); policy None = dense, 'hf' = HF,
+    'block' = block-sparse attention (its 'interval' slot holds the number of dense first layers)."""
     rows = [("dense", None, None, None)]
     interval = max(8, length // 32)
     for policy in args.policy_lists[model_name]:
         rows.append((policy, policy, length // 4, interval))
+    if model_name == "builtin":
+        rows += [(f"block d{d}", "block", length // 4, d) for d in args.block_list]
     if not args.no_reference and length == REFERENCE["length"]:
         rows.append((f"{REFERENCE['policy']} ref", REFERENCE["policy"], REFERENCE["budget"], REFERENCE["interval"]))
     if hf_enabled(args, model_name):
@@ -189,20 +201,31 @@ def hf_enabled(args, model_name: str) -> bool:
     return not args.no_hf and (model_name == "builtin" or args.hf_30m)
 
 
-def warm_up(model, model_name: str, args, eos: int) -> None:
-    """One short untimed rollout of each kind, so first-call costs stay out of the table."""
+def make_sparsity(policy: str | None, budget: int | None, interval: int | None):
+    """The engine's sparsity for one row: None (dense), a BlockSparsity, or a KVCompression."""
+    from sparserl.rollout.block_sparse import BlockSparsity
     from sparserl.rollout.engine import KVCompression
 
+    if policy is None:
+        return None
+    if policy == "block":
+        return BlockSparsity(budget=budget, page_size=BLOCK_PAGE, dense_layers=interval)
+    return KVCompression(policy, budget=budget, window=WINDOW, interval=interval)
+
+
+def warm_up(model, model_name: str, args, eos: int) -> None:
+    """One short untimed rollout of each kind, so first-call costs stay out of the table."""
     prompts = make_prompts(args.batch, model.config.vocab_size, args.seed + 999)
     run_ours(model, prompts, 192, None, 0)
-    run_ours(model, prompts, 192, KVCompression("rkv", budget=64, window=WINDOW, interval=16), 0)
+    run_ours(model, prompts, 192, make_sparsity("rkv", 64, 16), 0)
+    if model_name == "builtin" and args.block_list:
+        run_ours(model, prompts, 192, make_sparsity("block", 64, 0), 0)
     if hf_enabled(args, model_name):
         run_hf(model, prompts, 96, 0, eos)
 
 
 def bench(args) -> list[dict]:
     from sparserl.models import count_parameters
-    from sparserl.rollout.engine import KVCompression
 
     eos = eos_id()
     rows: list[dict] = []
@@ -222,9 +245,7 @@ def bench(args) -> list[dict]:
                 if policy == "hf":
                     r = run_hf(model, prompts, length, args.seed, eos)
                 else:
-                    comp = None if policy is None else KVCompression(policy, budget=budget, window=WINDOW,
-                                                                     interval=interval)
-                    r = run_ours(model, prompts, length, comp, args.seed)
+                    r = run_ours(model, prompts, length, make_sparsity(policy, budget, interval), args.seed)
                 r.update(model=model_name, params=params, length=length, config=label,
                          policy=policy, budget=budget, interval=interval)
                 if policy is None:
@@ -233,13 +254,15 @@ def bench(args) -> list[dict]:
                     dense["vs_hf"] = dense["tokens_per_s"] / r["tokens_per_s"]
                     r["speedup"] = r["tokens_per_s"] / dense["tokens_per_s"]
                 else:
-                    r["bound"] = (budget + interval) / length
                     r["ratio"] = r["peak_bytes"] / r["dense_bytes"]
-                    r["within_bound"] = r["peak_bytes"] <= 1.1 * r["bound"] * r["dense_bytes"]
+                    if policy != "block":  # block attention keeps the whole cache: no memory bound
+                        r["bound"] = (budget + interval) / length
+                        r["within_bound"] = r["peak_bytes"] <= 1.1 * r["bound"] * r["dense_bytes"]
                     r["speedup"] = r["tokens_per_s"] / dense["tokens_per_s"]
                 rows.append(r)
                 print(f"# {model_name} L={length} {label}: {r['tokens_per_s']:.0f} tok/s, {r['rollout_s']:.1f} s"
-                      + (f", compress {r['compress_share']:.1%}" if policy not in (None, "hf") else ""),
+                      + (f", compress {r['compress_share']:.1%}" if policy not in (None, "hf", "block") else "")
+                      + (f", attended {r['attended']:.3f}" if policy == "block" else ""),
                       file=sys.stderr, flush=True)
         del model
         gc.collect()
@@ -255,6 +278,10 @@ def table(rows: list[dict], args, reduced: bool) -> str:
                f"(EOS off), float32, {args.threads} torch thread(s), one run per row; sparse rows: "
                f"B = L/4, window {WINDOW}, interval Δ = max(8, L/32) (16/32/64/128 at L = 512/1024/2048/4096); "
                f"`rkv ref` = B 512, Δ 128, w {WINDOW} at L = 4096.")
+    if args.block_list:
+        caption += (f" `block dD`: block-sparse attention, full KV kept, B/{BLOCK_PAGE} pages of {BLOCK_PAGE} "
+                    f"tokens attended per step in every layer but the first D; `attended` = attended / cached "
+                    f"real keys (mean over steps and sparse layers).")
     if "30m" in args.model_list:
         def describe(m):
             parts = [f"L {'/'.join(map(str, args.length_lists[m]))}", "dense"]
@@ -270,20 +297,24 @@ def table(rows: list[dict], args, reduced: bool) -> str:
         caption += "."
     lines = [caption, "",
              "| model | L | config | B | Δ | peak KV MiB | dense KV MiB | peak/dense | bound (B+Δ)/L | ≤ 1.1×bound "
-             "| tok/s | rollout s | speedup vs dense | compress share | dense / HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tok/s | rollout s | speedup vs dense | compress share | dense / HF |"
+             + (" attended |" if args.block_list else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.block_list else "")]
     for r in rows:
         sparse = r["policy"] not in (None, "hf")
         hf = r["policy"] == "hf"
+        evicting = sparse and r["policy"] != "block"
         cells = [r["model"], str(r["length"]), r["config"],
-                 str(r["budget"]) if sparse else "", str(r["interval"]) if sparse else "",
+                 str(r["budget"]) if sparse else "", str(r["interval"]) if evicting else "",
                  "" if hf else f"{r['peak_bytes'] / MIB:.1f}", "" if hf else f"{r['dense_bytes'] / MIB:.1f}",
-                 f"{r['ratio']:.3f}" if sparse else "", f"{r['bound']:.3f}" if sparse else "",
-                 ("yes" if r["within_bound"] else "**no**") if sparse else "",
+                 f"{r['ratio']:.3f}" if sparse else "", f"{r['bound']:.3f}" if evicting else "",
+                 ("yes" if r["within_bound"] else "**no**") if evicting else "",
                  f"{r['tokens_per_s']:.0f}", f"{r['rollout_s']:.1f}",
                  f"{r['speedup']:.2f}x" if "speedup" in r else "",
-                 f"{r['compress_share']:.1%}" if sparse else "",
+                 f"{r['compress_share']:.1%}" if evicting else "",
                  f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""]
+        if args.block_list:
+            cells.append(f"{r['attended']:.3f}" if r["policy"] == "block" else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -301,7 +332,7 @@ def goal_line(name: str, checks: list[tuple[str, bool, str]]) -> str:
 
 
 def goals(rows: list[dict]) -> tuple[str, dict]:
-    sparse = [r for r in rows if r["policy"] not in (None, "hf")]
+    sparse = [r for r in rows if r["policy"] not in (None, "hf", "block")]
     dense = [r for r in rows if r["policy"] is None and "vs_hf" in r]
     label = lambda r: f"{r['model']} L={r['length']} {r['config']}"  # noqa: E731
     summary: dict = {}
@@ -340,7 +371,25 @@ def goals(rows: list[dict]) -> tuple[str, dict]:
              goal_line(f"4. compression ≤ 10% of rollout time (max {summary['compress_share_le_10pct']['max_share']:.1%})"
                        if sparse else "4. compression ≤ 10% of rollout time", share),
              goal_line(f"5. dense tok/s ≥ HF generate (ratios {span(r['vs_hf'] for r in dense)})", hf)]
+    lines += block_lines(rows, summary)
     return "\n".join(lines), summary
+
+
+def block_lines(rows: list[dict], summary: dict) -> list[str]:
+    """Per block configuration: its speedups over dense and over eviction (rkv) at the same B, and the
+    first L from which it is at least as fast as dense at every longer L measured."""
+    lines = []
+    for config in sorted({r["config"] for r in rows if r["policy"] == "block"}):
+        block = sorted((r for r in rows if r["config"] == config), key=lambda r: (r["model"], r["length"]))
+        rkv = {(r["model"], r["length"]): r for r in rows if r["config"] == "rkv"}
+        pays = next((r["length"] for i, r in enumerate(block) if all(b["speedup"] >= 1.0 for b in block[i:])), None)
+        summary[f"{config}_pays_from"] = pays
+        versus = [f"L={r['length']} {r['speedup']:.2f}x"
+                  + (f" ({r['tokens_per_s'] / rkv[(r['model'], r['length'])]['tokens_per_s']:.2f}x rkv)"
+                     if (r["model"], r["length"]) in rkv else "") for r in block]
+        lines.append(f"- {config} vs dense (vs rkv at the same B): {', '.join(versus)}; "
+                     + (f"as fast as dense from L = {pays} on" if pays else "never as fast as dense in this run"))
+    return lines
 
 
 def profile(args, spec: str) -> str:

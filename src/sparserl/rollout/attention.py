@@ -3,7 +3,8 @@
 transformers builds one mask for all layers from the 2-D padding mask. After eviction every layer
 holds its own set of tokens (and, per head, possibly different ones), so the engine and the replay
 install a `MaskProvider` while they run, and the model's attention calls `attend` below. It also
-lets the provider see each layer's post-RoPE queries, which SnapKV, R-KV and H2O score with.
+lets the provider see each layer's post-RoPE queries, which SnapKV, R-KV and H2O score with, and
+narrow a decode query to a subset of keys it gathers (block-sparse attention reads fewer keys).
 Outside `masked_attention(...)` the model runs its normal attention, untouched.
 """
 
@@ -28,6 +29,10 @@ class MaskProvider(Protocol):
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> None:
         """Called before attention with post-RoPE `query [N, Hq, Q, D]` and cached `key [N, Hkv, K, D]`."""
         ...
+
+    # Optional: `select_keys(layer_idx, query [N, Hq, 1, D], mask [N, Hm, 1, K])` for a decode query
+    # returns the keys and values `[N, Hkv, K', D]` it attends to instead, with their mask `[N, Hm, 1, K']`,
+    # or None to attend to every key under `mask`.
 
 
 _active_provider: contextvars.ContextVar[MaskProvider | None] = contextvars.ContextVar(
@@ -60,6 +65,10 @@ def attend(
     group = q_heads // kv_heads
     mask = provider.attention_mask(layer_idx, q_len, k_len)
     provider.observe(layer_idx, query, key, mask)
+    select = getattr(provider, "select_keys", None) if q_len == 1 else None
+    narrowed = select(layer_idx, query, mask) if select is not None else None
+    if narrowed is not None:
+        key, value, mask = narrowed
     # Group queries under their KV head, so that per-KV-head masks broadcast without copying keys.
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)
     grouped_mask = mask if q_len == 1 else \

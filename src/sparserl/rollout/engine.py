@@ -3,8 +3,10 @@
 `RolloutEngine.generate` samples one response per prompt row (the caller repeats each prompt G
 times for a group), recording for every response token the log-prob of the exact distribution it
 was drawn from (temperature applied, no top-p/top-k). With a `KVCompression` it compresses the
-cache while decoding (a sparse rollout); without one it is the dense sampler. Both run the same
-code, so a sparse rollout whose budget is never reached is bitwise the dense rollout.
+cache while decoding (a sparse rollout); with a `BlockSparsity` it keeps the whole cache and each
+decode step attends to a budget of pages (`block_sparse.py`); without either it is the dense
+sampler. All run the same code, so a sparse rollout whose budget is never reached is bitwise the
+dense rollout.
 
 Layout: prompts are left-padded to width P and responses right-padded to width T, so a token's
 column in the `[N, P + T]` sequence is its identity for masks and for the eviction record.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import masked_attention
+from .block_sparse import BlockSelections, BlockSelector, BlockSparsity
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
 from .kv_policies import POLICIES, KVPolicy, ScoringInputs, select_slots
 from .schedule import AdaptiveBudget, BinnedBudget, BudgetSchedule, FixedBudget
@@ -77,6 +80,13 @@ class KVCompression:
         return cls(**options)
 
 
+def sparsity_from_config(rollout) -> KVCompression | BlockSparsity:
+    """The sparse sampler a `RolloutConfig` asks for (`rollout.sparsity`): KV eviction or block attention."""
+    if rollout.sparsity == "block":
+        return BlockSparsity.from_rollout_config(rollout)
+    return KVCompression.from_rollout_config(rollout)
+
+
 @dataclass
 class RolloutBatch:
     """N sampled sequences. P = padded prompt width, T = padded response width."""
@@ -97,6 +107,8 @@ class RolloutBatch:
     # top-k as log-probs and token ids, each `[N, T, k]`.
     sampler_distribution: torch.Tensor | None = None
     sampler_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Block-sparse rollouts recorded with `record_evictions`: the pages each decode query attended.
+    block_selections: BlockSelections | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -127,8 +139,10 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor,
 class _RolloutAttention:
     """The mask provider during a rollout: masks from the cache, and the queries policies score with."""
 
-    def __init__(self, cache: BufferCache, window: int, keep_queries: bool, keep_mass: bool):
+    def __init__(self, cache: BufferCache, window: int, keep_queries: bool, keep_mass: bool,
+                 selector: BlockSelector | None = None):
         self.cache = cache
+        self.selector = selector
         self.window = window
         self.keep_queries = keep_queries
         self.keep_mass = keep_mass
@@ -147,6 +161,9 @@ class _RolloutAttention:
 
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
         return self.cache.layers[layer_idx].visible(self.query_columns)
+
+    def select_keys(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
+        return self.selector.select(layer_idx, query, mask) if self.selector is not None else None
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> None:
         layer = self.cache.layers[layer_idx]
@@ -184,17 +201,17 @@ DISTRIBUTION_TOP_K = 20
 
 
 class RolloutEngine:
-    """Samples from a causal LM with a dense or compressed KV cache.
+    """Samples from a causal LM with a dense or compressed KV cache, or block-sparse attention.
 
     `record_distributions` keeps the sampler's processed next-token distribution at every response
     position (see `RolloutBatch.sampler_distribution`), for the acceptance rate α.
     """
 
-    def __init__(self, model, compression: KVCompression | None = None, record_evictions: bool = True,
-                 record_distributions: bool = False):
+    def __init__(self, model, compression: KVCompression | BlockSparsity | None = None,
+                 record_evictions: bool = True, record_distributions: bool = False):
         self.model = model
         self.compression = compression
-        self.policy = compression.build_policy() if compression else None
+        self.policy = compression.build_policy() if isinstance(compression, KVCompression) else None
         self.record_evictions = record_evictions
         self.record_distributions = record_distributions
 
@@ -210,16 +227,20 @@ class RolloutEngine:
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         batch, width = prompt_ids.shape
         steps = sampling.max_new_tokens
-        comp = self.compression
+        comp = self.compression if isinstance(self.compression, KVCompression) else None
+        block = self.compression if isinstance(self.compression, BlockSparsity) else None
         num_layers = len(_decoder_layers(model))
+        page = block.page_size if block else 1
+        full = -(-(width + steps) // page) * page  # block attention gathers whole pages of the buffers
         # Each layer holds at most max(prompt, its largest budget) + interval slots; dense holds everything.
         capacities = [min(max(width, self._layer_budgets(comp.budgets.max_budget, num_layers)[i]) + comp.interval,
-                          width + steps) for i in range(num_layers)] if comp else [width + steps] * num_layers
+                          width + steps) for i in range(num_layers)] if comp else [full] * num_layers
         # Compressed buffers grow an interval at a time, so that memory follows a growing schedule.
-        cache = build_cache(model, batch, capacities, bool(comp and comp.per_head),
-                            dtype, device, full_capacity=width + steps, growth=comp.interval if comp else 64)
+        cache = build_cache(model, batch, capacities, bool(comp and comp.per_head), dtype, device,
+                            full_capacity=full, growth=comp.interval if comp else 64, page_size=page)
+        selector = BlockSelector(block, cache, steps, width, self.record_evictions) if block else None
         provider = _RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
-                                     keep_mass=bool(comp and self.policy.needs_attention_mass))
+                                     keep_mass=bool(comp and self.policy.needs_attention_mass), selector=selector)
         prompt_lengths = prompt_mask.sum(dim=1)
         response_ids = torch.full((batch, steps), sampling.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
@@ -265,6 +286,8 @@ class RolloutEngine:
                         since_compression = 0
                 provider.begin_forward((width + step) * torch.ones(batch, 1, dtype=torch.long, device=device),
                                        fed_real[:, None])
+                if selector is not None:
+                    selector.begin_step(step, width + step, width + step + 1)
                 logits = model(input_ids=token[:, None], position_ids=(prompt_lengths + step)[:, None],
                                past_key_values=cache, use_cache=True).logits[:, -1]
                 since_compression += 1
@@ -278,6 +301,8 @@ class RolloutEngine:
         span = int(lengths.max())
         stats.kv_dense_bytes = cache.bytes_per_slot() * (width + span)
         stats.kept_tokens, stats.evicted_tokens = _token_accounting(cache, fed_tokens)
+        if selector is not None:
+            stats.attended_frac = selector.attended_frac
         response_mask = (torch.arange(span, device=device)[None, :] < lengths[:, None]).float()
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask,
@@ -286,6 +311,7 @@ class RolloutEngine:
             response_lengths=lengths, ended=ended,
             rollout_seconds=time.perf_counter() - started, kv=stats,
             evictions=evictions, **_stack_distributions(distributions, span),
+            block_selections=selector.record if selector is not None else None,
         )
 
     def _layer_budgets(self, budget: int, num_layers: int) -> list[int]:

@@ -7,7 +7,8 @@ query. Compression (`compress`) gathers the w most recent real slots plus the B 
 others to the front of the buffer, so the buffer never grows past max(prompt, B) + interval.
 
 With no compression policy the same class is the dense cache: one code path for both, which is
-what makes a sparse rollout with a huge budget bitwise the dense one.
+what makes a sparse rollout with a huge budget bitwise the dense one. Block-sparse attention reads
+whole pages of the dense cache (`gather_pages`), so there the capacity is kept a multiple of the page.
 Sliding-window layers (hybrid models such as Gemma-3) keep every token and mask by distance;
 they are never compressed.
 """
@@ -30,7 +31,7 @@ class BufferLayer(CacheLayerMixin):
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, max_capacity: int, selection_heads: int,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None = None,
-                 growth: int = 64):
+                 growth: int = 64, page_size: int = 1):
         super().__init__()
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
@@ -38,6 +39,7 @@ class BufferLayer(CacheLayerMixin):
         self.selection_heads = selection_heads
         self.max_capacity = max_capacity
         self.growth = growth
+        self.page_size = page_size  # the capacity stays a multiple of it
         self.dtype, self.device = dtype, device
         self.length = 0
         self.keys = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
@@ -87,7 +89,8 @@ class BufferLayer(CacheLayerMixin):
             return
         if needed > self.max_capacity:
             raise RuntimeError(f"KV buffer overflow: {needed} slots > capacity {self.max_capacity}")
-        new_capacity = min(self.max_capacity, max(needed, self.capacity + self.growth))
+        wanted = max(needed, self.capacity + self.growth)
+        new_capacity = min(self.max_capacity, -(-wanted // self.page_size) * self.page_size)
         grow = new_capacity - self.capacity
         self.keys = _grow(self.keys, grow, 2)
         self.values = _grow(self.values, grow, 2)
@@ -114,16 +117,30 @@ class BufferLayer(CacheLayerMixin):
         """Move the slots `slot_index [N, Hs, B]` (in the order given) to the front of the buffer."""
         kept = slot_index.shape[2]
         heads_index = slot_index if self.selection_heads == self.kv_heads else slot_index.expand(-1, self.kv_heads, -1)
-        # Rows of the flattened [N·Hkv·capacity, D] buffers: index_select there is twice as fast on a
-        # CPU as a gather with an index expanded over D.
-        offsets = torch.arange(self.batch * self.kv_heads, device=self.device).view(self.batch, self.kv_heads, 1)
-        rows = (heads_index + offsets * self.capacity).reshape(-1)
+        rows = self._flat_rows(heads_index, self.capacity)
         shape = (self.batch, self.kv_heads, kept, self.head_dim)
         self.keys[:, :, :kept] = self.keys.view(-1, self.head_dim).index_select(0, rows).view(shape)
         self.values[:, :, :kept] = self.values.view(-1, self.head_dim).index_select(0, rows).view(shape)
         self.columns[:, :, :kept] = self.columns[:, :, : self.length].gather(2, slot_index)
         self.real[:, :, :kept] = self.real[:, :, : self.length].gather(2, slot_index)
         self.length = kept
+
+    def gather_pages(self, pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[N, Hkv, k·page_size, D]` of the pages `pages [N, k]` (slots
+        page·page_size onward), whole pages even past the length (the caller masks those slots)."""
+        if self.capacity % page_size:
+            raise ValueError(f"capacity {self.capacity} is not a multiple of the page size {page_size}")
+        rows = self._flat_rows(pages[:, None, :].expand(-1, self.kv_heads, -1), self.capacity // page_size)
+        shape = (self.batch, self.kv_heads, pages.shape[1] * page_size, self.head_dim)
+        width = page_size * self.head_dim
+        return (self.keys.view(-1, width).index_select(0, rows).view(shape),
+                self.values.view(-1, width).index_select(0, rows).view(shape))
+
+    def _flat_rows(self, index: torch.Tensor, per_head: int) -> torch.Tensor:
+        """Rows of the flattened `[N·Hkv·per_head, ...]` buffers for `index [N, Hkv, k]`: index_select
+        there is twice as fast on a CPU as a gather with an index expanded over D."""
+        offsets = torch.arange(self.batch * self.kv_heads, device=self.device).view(self.batch, self.kv_heads, 1)
+        return (index + offsets * per_head).reshape(-1)
 
 
 def _grow(tensor: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
@@ -152,6 +169,9 @@ class KVStats:
     compress_seconds: float = 0.0
     kept_tokens: torch.Tensor | None = None  # [N] real tokens held at the end (full-attention layers, mean)
     evicted_tokens: torch.Tensor | None = None  # [N] real tokens evicted over the rollout (same average)
+    # Block-sparse attention: mean over decode steps and sparse layers of attended real keys / cached
+    # real keys (1.0 for dense and eviction rollouts, which attend to all they hold).
+    attended_frac: float = 1.0
 
 
 class BufferCache(Cache):
@@ -176,9 +196,11 @@ class BufferCache(Cache):
 
 
 def build_cache(model, batch: int, capacities: list[int], per_head_selection: bool,
-                dtype: torch.dtype, device: torch.device, full_capacity: int, growth: int = 64) -> BufferCache:
+                dtype: torch.dtype, device: torch.device, full_capacity: int, growth: int = 64,
+                page_size: int = 1) -> BufferCache:
     """One buffer layer per decoder layer, holding up to `capacities[i]` slots and growing
-    `growth` slots at a time; sliding-window layers get the dense `full_capacity`."""
+    `growth` slots at a time (capacities kept multiples of `page_size`); sliding-window layers get
+    the dense `full_capacity`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -192,5 +214,6 @@ def build_cache(model, batch: int, capacities: list[int], per_head_selection: bo
             max_capacity=full_capacity if sliding else capacity,
             selection_heads=kv_heads if per_head_selection and not sliding else 1,
             dtype=dtype, device=device, sliding_window=window if sliding else None, growth=growth,
+            page_size=page_size,
         ))
     return BufferCache(layers)

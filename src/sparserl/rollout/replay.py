@@ -5,7 +5,8 @@ The engine records, per compression and per layer, which columns the cache held 
 before j, plus every column fed since that compression, plus itself. `replay_masks` turns the
 record into per-layer boolean masks `[N, Hs, S, S]`, and `replay_logprobs` runs the model once
 under them, reproducing the sampler's log-probs (to float32 rounding) with gradients available,
-which DistillSparse trains through.
+which DistillSparse trains through. A block-sparse rollout records instead the pages each decode
+query attended (`BlockSelections`), which narrow those query rows of the dense causal mask.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 
 from ..recompute import response_logprobs
 from .attention import masked_attention
+from .block_sparse import BlockSelections
 from .engine import RolloutBatch
 from .kv_cache import EvictionEvent
 
 
 def replay_masks(attention_mask: torch.Tensor, events: list[EvictionEvent], num_layers: int,
-                 sliding_windows: list[int | None] | None = None) -> list[torch.Tensor]:
+                 sliding_windows: list[int | None] | None = None,
+                 blocks: BlockSelections | None = None) -> list[torch.Tensor]:
     """Per-layer bool masks `[N, Hs, S, S]` (Hs = 1, or KV heads for per-head selection).
 
     attention_mask: `[N, S]` 1 on real tokens in the engine's column layout.
@@ -44,6 +47,8 @@ def replay_masks(attention_mask: torch.Tensor, events: list[EvictionEvent], num_
             held.scatter_(2, event.kept_columns.to(real.device), True)
             since = (columns >= start)[None, None, :]
             mask[:, :, start:stop, :] &= (held | since)[:, :, None, :]
+        if blocks is not None:
+            mask = blocks.restrict(mask, layer)
         if window is not None:
             mask &= (columns[None, :] > columns[:, None] - window)[None, None]
         mask |= torch.eye(width, dtype=torch.bool, device=real.device)[None, None]
@@ -71,7 +76,8 @@ def replay_attention(model, batch: RolloutBatch, rows: slice | torch.Tensor | No
     windows = [getattr(config, "sliding_window", None) if t == "sliding_attention" else None
                for t in layer_types[: config.num_hidden_layers]]
     events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
-    masks = replay_masks(batch.attention_mask[rows], events, config.num_hidden_layers, windows)
+    blocks = batch.block_selections.rows(rows) if batch.block_selections is not None else None
+    masks = replay_masks(batch.attention_mask[rows], events, config.num_hidden_layers, windows, blocks)
     with masked_attention(model, _ReplayAttention(masks)):
         yield
 

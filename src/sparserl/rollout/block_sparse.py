@@ -1,0 +1,193 @@
+"""Block-sparse attention rollouts (Sparrow's own sparsity, SPEC §4): full KV kept, pages attended.
+
+The cache keeps every token (in the dense cache a slot is a column). A page is `page_size`
+consecutive slots, and its centroid is the mean of its real keys. At each decode step a sparse
+layer's query scores every page by the mean over query heads of query · centroid (each query head
+uses its KV head's centroid, GQA), and attends to `budget // page_size` pages only: the first page
+holding a real token of the row (the attention sink; prompts are left-padded) and the 2 most
+recent pages (the current, possibly partial, one and the one before) always, then the best-scored
+others. Prefill, the first `dense_layers` layers and sliding-window layers stay dense.
+
+`BlockSelector` is one rollout's state: page centroids kept up to date as tokens arrive (scoring then
+reads one centroid per page, not every key), the pages' keys and values gathered for the query, the
+attended fraction, and the record (`BlockSelections`) the replay turns into masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import BufferCache
+from .schedule import AdaptiveBudget, BinnedBudget, BudgetSchedule, FixedBudget
+
+ALWAYS_KEPT = 3  # the sink page and the 2 most recent pages
+
+
+@dataclass(frozen=True)
+class BlockSparsity:
+    """Block-sparse settings: attended tokens per sparse layer and step (`budget`, or a schedule over
+    the cached length), in pages of `page_size` tokens; layers below `dense_layers` attend densely."""
+
+    budget: int = 64
+    page_size: int = 16
+    dense_layers: int = 2
+    # A budget that grows with the cached length; None keeps `budget` throughout.
+    schedule: BudgetSchedule | None = None
+
+    @classmethod
+    def from_rollout_config(cls, rollout) -> BlockSparsity:
+        """The settings of a `sparserl.config.RolloutConfig` (`kv_budget`, `kv_schedule`, `block_*`)."""
+        if rollout.kv_schedule == "adaptive":
+            # An adaptive budget moves a page at a time and never below the always-kept pages.
+            schedule = AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
+                                      step=rollout.block_page_size, floor=ALWAYS_KEPT * rollout.block_page_size)
+        else:
+            schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule else None
+        return cls(budget=rollout.kv_budget, page_size=rollout.block_page_size,
+                   dense_layers=rollout.block_dense_layers, schedule=schedule)
+
+    @property
+    def budgets(self) -> BudgetSchedule:
+        return self.schedule or FixedBudget(self.budget)
+
+    def pages(self, cached_len: int) -> int:
+        """Pages a sparse layer attends at this cached length (never fewer than the always-kept ones)."""
+        return max(ALWAYS_KEPT, self.budgets.budget(cached_len) // self.page_size)
+
+
+class PageCentroids:
+    """One layer's running per-page sums of real keys `[N, Hkv, pages, D]` (float32), real-token
+    counts `[N, pages]` and centroids (`means`, like `sums`), folded in as slots arrive."""
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, max_pages: int, page_size: int,
+                 device: torch.device):
+        self.page_size = page_size
+        self.sums = torch.zeros(batch, kv_heads, max_pages, head_dim, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(batch, max_pages, dtype=torch.float32, device=device)
+        self.means = torch.zeros_like(self.sums)
+        self.length = 0  # slots folded in so far
+
+    def extend(self, keys: torch.Tensor, real: torch.Tensor) -> None:
+        """Fold in the next slots: keys `[N, Hkv, n, D]`, real `[N, n]` bool."""
+        end = self.length + keys.shape[2]
+        pages = torch.arange(self.length, end, device=keys.device) // self.page_size
+        self.sums.index_add_(2, pages, keys.float().masked_fill(~real[:, None, :, None], 0.0))
+        self.counts.index_add_(1, pages, real.float())
+        # Only the pages just touched change: a decode step divides one page, not all of them.
+        first, stop = self.length // self.page_size, -(-end // self.page_size)
+        counts = self.counts[:, None, first:stop, None].clamp(min=1.0)
+        self.means[:, :, first:stop] = self.sums[:, :, first:stop] / counts
+        self.length = end
+
+
+def page_scores(query: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`[N, pages]` mean over query heads of query · page centroid; -inf for pages without a real key.
+
+    query `[N, Hq, 1, D]`; centroids `[N, Hkv, pages, D]`; counts `[N, pages]` real keys per page.
+    Query head h uses KV head h // (Hq / Hkv), as transformers' `repeat_kv` does.
+    """
+    batch, q_heads, _, dim = query.shape
+    kv_heads = centroids.shape[1]
+    # Summing a group's queries first scores each KV head's centroids once.
+    grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads, dim).sum(dim=2)
+    scores = (grouped[:, :, None, :] @ centroids.transpose(-1, -2)).squeeze(-2).sum(dim=1) / q_heads
+    return scores.masked_fill(counts == 0, float("-inf"))
+
+
+def select_pages(scores: torch.Tensor, sink: torch.Tensor, keep: int) -> torch.Tensor:
+    """The `keep` attended pages `[N, keep]` (ascending) of each row, from scores `[N, pages]`.
+
+    The sink page `sink [N]` and the last 2 pages always; then the best scores, ties going to the
+    earlier page (a stable sort), so that the selection is deterministic.
+    """
+    forced = scores.clone()
+    forced[:, -2:] = float("inf")
+    forced.scatter_(1, sink[:, None], float("inf"))
+    order = forced.sort(dim=1, descending=True, stable=True).indices[:, :keep]
+    return order.sort(dim=1).values
+
+
+@dataclass
+class BlockSelections:
+    """What each decode query of each sparse layer attended: the query at column `first_column + t`
+    saw the pages `pages[layer][:, t]` (bool `[N, T, max_pages]`; all True where a step attended densely)."""
+
+    page_size: int
+    first_column: int
+    pages: dict[int, torch.Tensor]
+
+    def rows(self, rows: slice | torch.Tensor) -> BlockSelections:
+        return BlockSelections(self.page_size, self.first_column, {k: v[rows] for k, v in self.pages.items()})
+
+    def restrict(self, mask: torch.Tensor, layer: int) -> torch.Tensor:
+        """`mask [N, Hs, S, S]` with the decode query rows of `layer` narrowed to their pages."""
+        if layer not in self.pages:
+            return mask
+        width = mask.shape[-1]
+        queries = width - self.first_column
+        key_pages = torch.arange(width, device=mask.device) // self.page_size
+        seen = self.pages[layer][:, :queries].to(mask.device)[:, :, key_pages]  # [N, queries, S]
+        mask[:, :, self.first_column:] &= seen[:, None]
+        return mask
+
+
+class BlockSelector:
+    """One rollout's block-sparse attention over `cache` (whose capacity is a multiple of the page)."""
+
+    def __init__(self, sparsity: BlockSparsity, cache: BufferCache, steps: int, first_column: int, record: bool):
+        self.sparsity = sparsity
+        self.cache = cache
+        page = sparsity.page_size
+        layers = [i for i, layer in enumerate(cache.layers) if i >= sparsity.dense_layers and not layer.is_sliding]
+        max_pages = -(-cache.layers[0].max_capacity // page)
+        some = cache.layers[0]
+        self.centroids = {i: PageCentroids(some.batch, some.kv_heads, some.head_dim, max_pages, page, some.device)
+                          for i in layers}
+        self.record = BlockSelections(page, first_column, {
+            i: torch.ones(some.batch, steps, max_pages, dtype=torch.bool, device=some.device) for i in layers
+        }) if record else None
+        self.keep: int | None = None  # pages attended this step; None: every page (a dense step)
+        self.step = 0
+        self.fraction_sum = torch.zeros((), device=some.device)
+        self.fractions = 0
+
+    def begin_step(self, step: int, cached_len: int, length: int) -> None:
+        """Decode step `step` will feed a token at cache length `length` (after it); the budget reads `cached_len`."""
+        keep = self.sparsity.pages(cached_len)
+        self.keep = keep if keep < -(-length // self.sparsity.page_size) else None
+        self.step = step
+
+    @property
+    def attended_frac(self) -> float:
+        """Mean over decode steps and sparse layers of attended real keys / cached real keys."""
+        return float(self.fraction_sum) / self.fractions if self.fractions else 1.0
+
+    def select(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
+        """The decode query's pages: gathered keys, values `[N, Hkv, keep·page, D]` and the dense mask
+        `mask [N, 1, 1, L]` on them, or None where this layer attends densely this step."""
+        centroids = self.centroids.get(layer_idx)
+        if centroids is None:
+            return None
+        layer = self.cache.layers[layer_idx]
+        length = layer.length
+        centroids.extend(layer.keys[:, :, centroids.length:length], layer.real[:, 0, centroids.length:length])
+        self.fractions += 1
+        if self.keep is None:
+            self.fraction_sum += 1.0
+            return None
+        page = self.sparsity.page_size
+        pages_now = -(-length // page)
+        counts = centroids.counts[:, :pages_now]
+        sink = (counts > 0).float().argmax(dim=1)  # the first page with a real token
+        pages = select_pages(page_scores(query, centroids.means[:, :, :pages_now], counts), sink, self.keep)
+        chosen = torch.zeros_like(counts, dtype=torch.bool).scatter_(1, pages, True)
+        self.fraction_sum += ((counts * chosen).sum(dim=1) / counts.sum(dim=1).clamp(min=1.0)).mean()
+        if self.record is not None:
+            self.record.pages[layer_idx][:, self.step, :pages_now] = chosen
+        keys, values = layer.gather_pages(pages, page)
+        slots = (pages[:, :, None] * page + torch.arange(page, device=pages.device)).flatten(1)  # [N, keep·page]
+        index = slots.clamp(max=length - 1)[:, None, None, :].expand(-1, mask.shape[1], -1, -1)
+        # The current page runs past the cache length: those slots hold no token yet.
+        return keys, values, mask.gather(3, index) & (slots < length)[:, None, None, :]
