@@ -59,3 +59,13 @@ def test_audit_blames_evicted_links(tmp_path, budget):
         assert sum(f["evicted_layers"] > 0 for f in values) >= 0.9 * len(values)
         assert sum(f["dense_argmax_right"] for f in values) >= 0.9 * len(values)
     assert (tmp_path / "audit.md").exists()
+
+
+def test_audit_reads_block_sparse_rollouts(tmp_path):
+    """With block-sparse attention, a link is 'evicted' for a query whose attended pages miss it."""
+    out = tmp_path / "audit.json"
+    assert main(["audit", "--out", str(out), "--sparsity", "block", "--kv-budget", "48", "--block-dense-layers", "0",
+                 *COMMON]) == 0
+    firsts = json.loads(out.read_text())["first_errors"]
+    values = [f for f in firsts if f["role"] == "value"]
+    assert values and any(f["evicted_layers"] > 0 for f in values)

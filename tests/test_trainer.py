@@ -221,3 +221,15 @@ def test_a_preset_from_yaml_with_flags_on_top(tiny_model_dir, tmp_path):
         load_config(overrides={"mode": str(tmp_path / "bad.yaml")})
     with pytest.raises(ConfigError, match="mode 'geo_rs' is unknown"):
         load_config(overrides={"mode": "geo_rs"})
+
+
+def test_block_sparse_training_with_distill_sparse_replays_the_pages(tiny_model_dir, tmp_path):
+    """`--sparsity block`: the full cache is kept, fewer keys are attended, and DistillSparse's
+    replay (which must reproduce the sampler through the recorded pages) trains."""
+    out = tmp_path / "block"
+    block = ["--sparsity", "block", "--block-page-size", "4", "--block-dense-layers", "0", "--kv-budget", "12",
+             "--distill-sparse", "true", "--distill-rank", "2"]
+    assert main(_args(tiny_model_dir, out, 2, "sparse-tis", block)) == 0
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert all(r["kv_attended_frac"] < 0.9 and r["kv_peak_frac"] >= 1.0 and r["kv_compressions"] == 0 for r in steps)
+    assert all(r["distill_logp_gap"] >= 0 and r["distill_grad_norm"] > 0 for r in steps)

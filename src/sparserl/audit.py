@@ -22,7 +22,7 @@ import torch
 
 from .evaluate import decode_responses, held_out
 from .recompute import positions_from_mask
-from .rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from .rollout.engine import RolloutEngine, SamplingConfig, sparsity_from_config
 from .rollout.replay import replay_masks
 from .tasks.pointer_walk import first_error_hop, needed_source
 
@@ -38,7 +38,7 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
         raise ValueError("sparserl audit reads the pointer walk's structure; use --task pointer_walk")
     setup = held_out(config, n)
     model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
-    compression = KVCompression.from_rollout_config(config.rollout)
+    compression = sparsity_from_config(config.rollout)
     engine = RolloutEngine(model, compression, record_evictions=True)
     sampling = SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=0.0,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -51,7 +51,9 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
         ids, mask = batch.input_ids, batch.attention_mask
         dense_logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
                                              use_cache=False).logits.float(), dim=-1)
-        visible = torch.stack(replay_masks(mask, batch.evictions, layers))  # [layers, N, Hs, S, S]
+        # What each query saw: after evictions, or (block-sparse) the pages it attended.
+        visible = torch.stack(replay_masks(mask, batch.evictions, layers,
+                                           blocks=batch.block_selections))  # [layers, N, Hs, S, S]
         width = batch.prompt_ids.shape[1]
         for row, (example, text) in enumerate(zip(chunk, texts)):
             prompt_length = len(example.prompt)
@@ -126,8 +128,10 @@ def audit_table(result: dict) -> str:
                      f"{pct(r['needed_evicted_any_layer'])} | {xi} | {pct(r['xi_below_1e-4'])} "
                      f"| {pct(r['dense_argmax_right'])} |")
     c = result["compression"]
+    settings = f"{c['policy']}, budget {c['budget']}, window {c['window']}, interval {c['interval']}" if "policy" in c \
+        else f"block-sparse attention, budget {c['budget']} in pages of {c['page_size']}, {c['dense_layers']} dense layers"
     return (f"{result['wrong']} of {result['examples']} greedy sparse rollouts deviate from the demonstration "
-            f"({c['policy']}, budget {c['budget']}, window {c['window']}, interval {c['interval']}; "
+            f"({settings}; "
             f"{result['layers']} layers).\n\n" + "\n".join(lines) +
             f"\n\nBaseline: where the sparse sampler wrote a value correctly ({result['correct_values']} values), "
             f"the link it needed had been evicted in all layers {pct(result['correct_values_needed_evicted_all_layers'])} "

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .evaluate import complete, held_out
 from .mismatch import bin_tails, rollout_alpha_metrics
 from .models import sampling_generator
-from .rollout.engine import KVCompression
+from .rollout.engine import sparsity_from_config
 from .rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
 
 
@@ -49,7 +49,7 @@ class Calibration:
 def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: BudgetSchedule, samples: int,
            bin_size: int, quantile: float, seed: int) -> dict[int, float]:
     """{bin start: α tail} of sampled rollouts under `schedule` (same prompts and seed every call)."""
-    compression = KVCompression.from_rollout_config(dataclasses.replace(rollout, kv_schedule=None))
+    compression = sparsity_from_config(dataclasses.replace(rollout, kv_schedule=None))
     compression = dataclasses.replace(compression, schedule=schedule)
     done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, samples=samples,
                     generator=sampling_generator(model, seed), record_distributions=True)

@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from .mismatch import rollout_alpha_metrics
-from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from .rollout.block_sparse import BlockSparsity
+from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
 from .tasks.base import Example, Task, reward_columns, walk_metrics
 
 
@@ -25,7 +26,7 @@ class Completions:
 
 
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
-             compression: KVCompression | None = None, batch_size: int = 256, samples: int = 1,
+             compression: KVCompression | BlockSparsity | None = None, batch_size: int = 256, samples: int = 1,
              generator: torch.Generator | None = None, progress: str | None = None,
              record_distributions: bool = False) -> Completions:
     """Sample `samples` completions per example (grouped: example i's come out consecutively).
@@ -54,7 +55,7 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 
 
 def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
-                  compression: KVCompression | None = None) -> dict[str, float]:
+                  compression: KVCompression | BlockSparsity | None = None) -> dict[str, float]:
     """Greedy `accuracy` (reward 1) on `examples`, plus the task's `walk_metrics` where it has them."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression)
     rewards = task.reward(done.texts, **reward_columns(examples))
@@ -141,7 +142,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     report: dict = {"model": config.model.model or "built-in", "task": task.name, "examples": len(examples),
                     "max_new_tokens": max_new_tokens}
     for mode in modes:
-        compression = KVCompression.from_rollout_config(config.rollout) if mode == "sparse" else None
+        compression = sparsity_from_config(config.rollout) if mode == "sparse" else None
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                                config.rollout.temperature, config.train.seed, progress=True,
                                alpha_bin_size=config.rollout.alpha_bin_size)
@@ -153,7 +154,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
 
 
 def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
-                    compression: KVCompression | None, samples: int, temperature: float, seed: int,
+                    compression: KVCompression | BlockSparsity | None, samples: int, temperature: float, seed: int,
                     progress: bool = False, alpha_bin_size: int = 16) -> dict:
     """Greedy accuracy (and walk metrics), pass@k from `samples` samples, and under sparse inference
     the KV figures and the acceptance rate α of the greedy rollouts against the dense model."""
@@ -165,10 +166,7 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
     result = {"accuracy": sum(correct) / max(len(correct), 1), **walk_metrics(task, greedy.texts, examples),
               **_token_figures(greedy.batches)}
     if compression is not None:
-        result["kv"] = {"policy": compression.policy, "budget": compression.budget,
-                        "schedule": None if compression.schedule is None else list(compression.schedule.budgets),
-                        "window": compression.window, "interval": compression.interval,
-                        **_kv_figures(greedy.batches)}
+        result["kv"] = {**_sparsity_settings(compression), **_kv_figures(greedy.batches)}
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
         from .models import sampling_generator
@@ -193,6 +191,15 @@ def _token_figures(batches: list[RolloutBatch]) -> dict:
             "truncated_frac": float(torch.cat([~b.ended for b in batches]).float().mean())}
 
 
+def _sparsity_settings(compression: KVCompression | BlockSparsity) -> dict:
+    schedule = None if compression.schedule is None else list(compression.schedule.budgets)
+    if isinstance(compression, BlockSparsity):
+        return {"sparsity": "block", "budget": compression.budget, "schedule": schedule,
+                "page_size": compression.page_size, "dense_layers": compression.dense_layers}
+    return {"sparsity": "eviction", "policy": compression.policy, "budget": compression.budget, "schedule": schedule,
+            "window": compression.window, "interval": compression.interval}
+
+
 def _kv_figures(batches: list[RolloutBatch]) -> dict:
     kept = torch.cat([b.kv.kept_tokens for b in batches])
     evicted = torch.cat([b.kv.evicted_tokens for b in batches])
@@ -202,5 +209,6 @@ def _kv_figures(batches: list[RolloutBatch]) -> dict:
     return {"kv_peak_bytes": peak, "kv_dense_bytes": dense, "kv_peak_frac": peak / max(dense, 1),
             "kept_tokens_mean": float(kept.mean()), "evicted_tokens_mean": float(evicted.mean()),
             "kept_token_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
+            "attended_frac": sum(b.kv.attended_frac * len(b) for b in batches) / sum(len(b) for b in batches),
             "compressions": sum(b.kv.compressions for b in batches),
             "compress_time_frac": sum(b.kv.compress_seconds for b in batches) / max(rollout_s, 1e-9)}

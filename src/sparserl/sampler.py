@@ -211,6 +211,7 @@ def rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor, rollouts: StepRo
         "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
         "kv_compressions": kv.compressions,
         "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
+        "kv_attended_frac": kv.attended_frac,
         "rollout_s": rollouts.wall_seconds,
         "tokens_per_s": float(batch.response_mask.sum()) / max(rollouts.wall_seconds, 1e-9),
         "rollout_retries": rollouts.retries, "rollout_timeouts": rollouts.timeouts, **rollouts.timings,

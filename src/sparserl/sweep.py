@@ -25,7 +25,7 @@ from .corrections import CorrectionConfig, compute_corrections
 from .evaluate import complete, evaluate_policy, held_out
 from .models import sampling_generator
 from .recompute import batched_logprobs
-from .rollout.engine import KVCompression
+from .rollout.engine import KVCompression, sparsity_from_config
 from .tasks.base import reward_columns
 
 
@@ -67,7 +67,7 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
     dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed)
     rows = []
     for budget in tqdm(budgets, desc="sweep", unit="budget"):
-        compression = KVCompression.from_rollout_config(dataclasses.replace(config.rollout, kv_budget=budget))
+        compression = sparsity_from_config(dataclasses.replace(config.rollout, kv_budget=budget))
         sparse = evaluate_policy(model, tokenizer, task, examples, bound, compression, 0, 1.0, config.train.seed)
         mismatch = sampled_mismatch(model, tokenizer, examples[:sample_prompts], bound, compression, samples,
                                     config.rollout.temperature, config.train.seed)

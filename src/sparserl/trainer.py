@@ -31,7 +31,7 @@ from .mismatch import bin_tails, rollout_alpha_metrics
 from .models import load_policy, resolve_device
 from .recompute import batched_logprobs, micro_batches, response_logprobs
 from .reward_runner import RewardRunner
-from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from .rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
 from .sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
 from .rollout.schedule import AdaptiveBudget, BinnedBudget
 from .run_dir import Resume, StopRequest, open_run_dir
@@ -104,7 +104,7 @@ class GRPOTrainer:
         self.state = TrainerState()
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.optimizer)
-        self.compression = KVCompression.from_rollout_config(config.rollout)
+        self.compression = sparsity_from_config(config.rollout)  # eviction or block-sparse attention
         if isinstance(self.compression.schedule, AdaptiveBudget) and self.state.kv_budgets:
             self.compression.schedule.budgets = list(self.state.kv_budgets)
         elif config.rollout.recalibrate_every and self.state.kv_budgets:  # the last recalibration's schedule
