@@ -103,7 +103,8 @@ def test_a_lost_worker_is_replaced_and_its_shard_sampled_again(local_ray, tiny_m
     thread.join()
     records = read_metrics(tmp_path / "workers" / "metrics.jsonl")
     assert sum(r["rollout_retries"] for r in records) >= 1
-    assert sum(r["rollout_timeouts"] for r in records) == (1 if fault == "hang" else 0)
+    timeouts = sum(r["rollout_timeouts"] for r in records)
+    assert timeouts >= 1 if fault == "hang" else timeouts == 0
     assert _comparable(tmp_path / "local", FAULT_KEYS) == _comparable(tmp_path / "workers", FAULT_KEYS)
 
 
