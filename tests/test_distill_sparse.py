@@ -65,6 +65,29 @@ def test_the_dense_side_never_sees_the_adapter_and_the_replay_does():
     assert (dense - batch.sampler_logprobs).abs()[mask].max() > 1e-2  # the adapter does change the sampler
 
 
+def test_alpha_replays_the_adapted_sampler_when_its_distributions_are_not_kept(monkeypatch):
+    """On a large vocabulary α comes from the replay: under the adapter it equals α from the
+    adapted sampler's recorded distributions, and without it, it would measure another sampler."""
+    from sparserl.mismatch import rollout_acceptance
+    from sparserl.rollout import engine as engine_module
+
+    model, tokenizer = make_tiny_model()
+    adapter = SamplerAdapter(model, DistillConfig())
+    _perturb(adapter)
+    prompts = [tokenizer(e.prompt).input_ids for e in PointerWalkTask(8, min_letters=8).examples(6, seed=1)]
+    sampling = SamplingConfig(30, 1.0, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    with adapter.active():
+        recorded = RolloutEngine(model, COMPRESSION, record_distributions=True).generate(
+            prompts, sampling, torch.Generator().manual_seed(0))
+        monkeypatch.setattr(engine_module, "FULL_DISTRIBUTION_VOCAB", model.config.vocab_size - 1)
+        replayed = RolloutEngine(model, COMPRESSION, record_distributions=True).generate(
+            prompts, sampling, torch.Generator().manual_seed(0))
+    assert replayed.sampler_distribution is None
+    expected = rollout_acceptance(model, recorded, 1.0)
+    assert (rollout_acceptance(model, replayed, 1.0, sampler_context=adapter.active) - expected).abs().max() <= 1e-5
+    assert (rollout_acceptance(model, replayed, 1.0) - expected).abs().max() > 1e-2
+
+
 def test_a_distill_step_moves_only_the_adapter_toward_the_dense_policy():
     model, tokenizer = make_tiny_model()
     adapter = SamplerAdapter(model, DistillConfig(lr=3e-3, kl_coef=1.0))

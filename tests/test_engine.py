@@ -224,7 +224,7 @@ def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
 @pytest.mark.parametrize("policy", ["rkv", "streamingllm"])
 def test_acceptance_rate_of_a_recorded_rollout(tiny, policy):
     """A budget past every length makes the sampler the dense policy (α = 1 at every token); a small
-    one moves it (some α < 1); recording top-k only gives a lower bound of the full-vocabulary α."""
+    one moves it (some α < 1)."""
     from sparserl.mismatch import rollout_acceptance
 
     model, tokenizer = tiny
@@ -244,10 +244,44 @@ def test_acceptance_rate_of_a_recorded_rollout(tiny, policy):
             assert torch.allclose(alpha[real], torch.ones_like(alpha[real]), atol=1e-5)
         else:
             assert float(alpha[real].min()) < 0.99 and float(alpha[real].max()) <= 1 + 1e-5
-            full = alpha.clone()
-            values, ids = batch.sampler_distribution.topk(3, dim=-1)
-            batch.sampler_distribution, batch.sampler_topk = None, (values, ids)
-            assert bool((rollout_acceptance(model, batch, temperature=1.0) <= full + 1e-6).all())
+
+
+@pytest.mark.parametrize("sparsity", ["rkv", "block"])
+def test_a_large_vocabulary_gets_the_exact_alpha_from_the_replay(tiny, sparsity, monkeypatch):
+    """Over FULL_DISTRIBUTION_VOCAB the engine keeps no [N, T, V] distributions but what replays the
+    sampler, and α rebuilt from the replay equals α from the recorded distributions."""
+    from sparserl.mismatch import rollout_acceptance
+    from sparserl.rollout import engine as engine_module
+    from sparserl.rollout.block_sparse import BlockSparsity
+
+    model, tokenizer = tiny
+    prompts = _prompts(tokenizer)
+    compression = (KVCompression("rkv", budget=10, window=3, interval=3) if sparsity == "rkv"
+                   else BlockSparsity(budget=8, page_size=4, dense_layers=0))
+    for temperature in (1.3, 0.0):
+        sampling = SamplingConfig(30, temperature, eos_token_id=None)
+        recorded = RolloutEngine(model, compression, record_evictions=False, record_distributions=True) \
+            .generate(prompts, sampling, torch.Generator().manual_seed(0))
+        with monkeypatch.context() as patch:
+            patch.setattr(engine_module, "FULL_DISTRIBUTION_VOCAB", model.config.vocab_size - 1)
+            large = RolloutEngine(model, compression, record_evictions=False, record_distributions=True)
+            replayed = large.generate(prompts, sampling, torch.Generator().manual_seed(0))
+        assert large.record_evictions and replayed.replayable and replayed.sampler_distribution is None
+        assert torch.equal(replayed.response_ids, recorded.response_ids)
+        expected = rollout_acceptance(model, recorded, temperature)
+        real = recorded.response_mask.bool()
+        assert float(expected[real].min()) < 0.99  # the sampler does differ from the dense policy
+        assert (rollout_acceptance(model, replayed, temperature) - expected).abs().max() <= 1e-5
+
+
+def test_alpha_refuses_a_batch_it_cannot_rebuild_the_sampler_of(tiny):
+    from sparserl.mismatch import rollout_acceptance
+
+    model, tokenizer = tiny
+    batch = RolloutEngine(model, KVCompression("rkv", budget=10, window=3, interval=3), record_evictions=False) \
+        .generate(_prompts(tokenizer), SamplingConfig(20, 1.0, eos_token_id=None), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="record_distributions=True"):
+        rollout_acceptance(model, batch, temperature=1.0)
 
 
 def test_a_budget_schedule_grows_memory_with_it_and_replays_exactly(tiny):

@@ -99,6 +99,25 @@ def test_report_table_regime_and_verdicts(tmp_path):
     assert "Caveat: verdicts rest on 2 steps (< 20), 2 seed(s) (< 3)" in verdicts
 
 
+def test_a_block_sparse_regime_names_its_pages_and_attended_fraction(tmp_path):
+    out = _compare_dir(tmp_path)
+    meta = json.loads((out / "compare.json").read_text())
+    meta["config"]["rollout"].update(sparsity="block", block_page_size=16, block_dense_layers=1)
+    (out / "compare.json").write_text(json.dumps(meta))
+    for mode, attended in (("naive-sparse", 0.5), ("sparse-rl", 0.7)):
+        for seed in (0, 1):
+            metrics = out / mode / f"seed{seed}" / "metrics.jsonl"
+            records = [json.loads(line) for line in metrics.read_text().splitlines()]
+            for record in records[1:]:
+                record["kv_attended_frac"] = attended + 0.1 * seed
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = paper_table(out)
+    # Per run: 0.5, 0.6, 0.7, 0.8 -> mean 0.65.
+    assert ("Regime: block-sparse attention, 80 attended tokens per sparse layer (pages of 16, the first 1 "
+            "layer(s) dense); attended share of the cached keys (sparse layers, mean over decode steps) 65.0% (50.0–80.0)") in table
+    assert "rkv" not in table.splitlines()[0]
+
+
 def test_paper_claim_not_met_in_every_seed(tmp_path):
     out = _compare_dir(tmp_path, rl_finals=(0.6, 0.7), naive_finals=(0.2, 0.1))
     verdicts = write_report(out).read_text().split("## Verdicts")[1]

@@ -9,31 +9,19 @@ quantile of α per position bin of the response.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 
-def acceptance_rate(logp_sparse: torch.Tensor, logp_dense: torch.Tensor, top_k: int | None = None) -> torch.Tensor:
-    """α `[...]` of two next-token distributions given as log-probabilities `[..., V]`.
-
-    Both must be processed the way the sampler samples (temperature applied). With `top_k=k`, the
-    sum runs only over the union of each distribution's k most likely tokens: a lower bound of α,
-    exact when k >= V, computed without any `[..., V]`-sized intermediate beyond the inputs.
-    """
+def acceptance_rate(logp_sparse: torch.Tensor, logp_dense: torch.Tensor) -> torch.Tensor:
+    """α `[...]` of two next-token distributions given as log-probabilities `[..., V]`, both processed
+    the way the sampler samples (temperature applied)."""
     if logp_sparse.shape != logp_dense.shape:
         raise ValueError(f"logp_sparse and logp_dense must have one shape, got {tuple(logp_sparse.shape)} "
                          f"and {tuple(logp_dense.shape)}")
-    sparse, dense = logp_sparse.float(), logp_dense.float()
-    if top_k is None or top_k >= sparse.shape[-1]:
-        return torch.minimum(sparse, dense).exp().sum(dim=-1)
-    candidates = torch.cat([sparse.topk(top_k, dim=-1).indices, dense.topk(top_k, dim=-1).indices], dim=-1)
-    candidates = candidates.sort(dim=-1).values
-    # A token in both top-k sets appears twice: count it once.
-    repeated = torch.zeros_like(candidates, dtype=torch.bool)
-    repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
-    overlap = torch.minimum(sparse.gather(-1, candidates), dense.gather(-1, candidates)).exp()
-    return overlap.masked_fill(repeated, 0.0).sum(dim=-1)
+    return torch.minimum(logp_sparse.float(), logp_dense.float()).exp().sum(dim=-1)
 
 
 def tail_statistic(alpha: torch.Tensor, mask: torch.Tensor, bin_size: int, quantile: float = 0.05) -> torch.Tensor:
@@ -56,29 +44,40 @@ def tail_statistic(alpha: torch.Tensor, mask: torch.Tensor, bin_size: int, quant
 
 
 @torch.no_grad()
-def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int = 64) -> torch.Tensor:
+def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int = 64,
+                       sampler_context=contextlib.nullcontext) -> torch.Tensor:
     """α `[N, T]` at every response position of `batch` (a `RolloutBatch` sampled with
     `record_distributions`), against the dense `model` on the same prefixes; 0 outside the response.
 
     The dense distribution is processed as the sampler's was (temperature applied; greedy rollouts
-    record the plain softmax). With only the sampler's top-k recorded (large vocabularies), the
-    sum runs over those k tokens: a lower bound of α.
+    record the plain softmax). Where the sampler's distributions were not recorded (vocabularies
+    over FULL_DISTRIBUTION_VOCAB), they are rebuilt by the exact replay of the sampler, under
+    `sampler_context()` (DistillSparse's adapter), one position chunk at a time: α is exact, and
+    peak memory is two chunks of logits, never `[N, T, V]`.
     """
-    from .recompute import map_head_chunks, micro_batches, response_hidden
+    from .recompute import head_logits, map_head_chunks, micro_batches, response_hidden
+    from .rollout.replay import replay_attention
 
+    if batch.sampler_distribution is None and not batch.replayable:
+        raise ValueError("α needs the sampler's distributions or what replays them: generate the batch with "
+                         "RolloutEngine(record_distributions=True)")
     scale = temperature if temperature > 0 else 1.0
     width = batch.prompt_ids.shape[1]
     parts = []
     for rows in micro_batches(len(batch), micro_batch_size):
-        hidden = response_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], width)
+        ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
+        hidden = response_hidden(model, ids, mask, width)
         if batch.sampler_distribution is not None:
             alpha, = map_head_chunks(model, hidden, lambda dense, sampler: acceptance_rate(sampler, dense),
                                      batch.sampler_distribution[rows], temperature=scale)
         else:
-            values, token_ids = batch.sampler_topk
-            alpha, = map_head_chunks(
-                model, hidden, lambda dense, top, ids: torch.minimum(top, dense.gather(-1, ids)).exp().sum(dim=-1),
-                values[rows], token_ids[rows], temperature=scale)
+            with sampler_context(), replay_attention(model, batch, rows):
+                sampler_hidden = response_hidden(model, ids, mask, width)
+
+            def replayed(dense, sampler_states):
+                return acceptance_rate(torch.log_softmax(head_logits(model, sampler_states) / scale, dim=-1), dense)
+
+            alpha, = map_head_chunks(model, hidden, replayed, sampler_hidden, temperature=scale)
         parts.append(alpha)
     return torch.cat(parts) * batch.response_mask
 
@@ -122,10 +121,10 @@ TAIL_PREFIX = "alpha_tail_len_"
 
 
 def rollout_alpha_metrics(model, batches: list, temperature: float, bin_size: int, quantile: float = 0.05,
-                          micro_batch_size: int = 64) -> dict[str, float]:
+                          micro_batch_size: int = 64, sampler_context=contextlib.nullcontext) -> dict[str, float]:
     """`alpha_metrics` over every response token of `batches` (sampled with `record_distributions`)."""
-    points = [alpha_points(rollout_acceptance(model, b, temperature, micro_batch_size), b.response_mask,
-                           b.prompt_lengths) for b in batches]
+    points = [alpha_points(rollout_acceptance(model, b, temperature, micro_batch_size, sampler_context),
+                           b.response_mask, b.prompt_lengths) for b in batches]
     return alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), bin_size, quantile)
 
 

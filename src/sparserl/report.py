@@ -103,6 +103,7 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     s["rejected_seqs"] = _mean(series(steps, "rejected_seq_frac")[1])
     skipped = series(steps, "skipped_steps")[1]
     s["skipped"] = skipped[-1] if skipped else None
+    s["attended"] = _mean(series(steps, "kv_attended_frac")[1])
     s["veto0"] = steps[0].get("flagged_veto_frac") if steps else None
     s["alpha_tail0"] = steps[0].get("alpha_tail") if steps else None
     for key, how in MISMATCH_KEYS:
@@ -188,15 +189,24 @@ def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
             # The run's largest cache against its longest dense one, as the table's MiB columns (a
             # per-step ratio is inflated by steps whose responses all ended early).
             "kv_peak_frac": [s["kv_peak"] / s["kv_dense"] for s in sparse if s.get("kv_peak") and s.get("kv_dense")],
-            "kv_saved": [s["kv_saved"] for s in sparse if s.get("kv_saved") is not None]}
+            "kv_saved": [s["kv_saved"] for s in sparse if s.get("kv_saved") is not None],
+            "attended": [s["attended"] for s in sparse if s.get("attended") is not None]}
 
 
 def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
     r = regime(runs)
     schedule = _setting(config, "kv_schedule", None)
     budget = f"schedule {schedule}" if schedule else _setting(config, "kv_budget")
-    return (f"Regime: KV budget {budget} ({_setting(config, 'kv_policy')}, window "
-            f"{_setting(config, 'kv_window')}, interval {_setting(config, 'kv_interval')}); step-0 greedy accuracy "
+    if _setting(config, "sparsity", "eviction") == "block":
+        # Block-sparse attention keeps the whole cache: what it saves is attention reads.
+        sparsity = (f"block-sparse attention, {budget} attended tokens per sparse layer (pages of "
+                    f"{_setting(config, 'block_page_size')}, the first {_setting(config, 'block_dense_layers')} "
+                    f"layer(s) dense); attended share of the cached keys (sparse layers, mean over decode steps) "
+                    f"{cell(r['attended'])}")
+    else:
+        sparsity = (f"KV budget {budget} ({_setting(config, 'kv_policy')}, window {_setting(config, 'kv_window')}, "
+                    f"interval {_setting(config, 'kv_interval')})")
+    return (f"Regime: {sparsity}; step-0 greedy accuracy "
             f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
             f"peak KV bytes {cell(r['kv_peak_frac'])} of dense; KV tokens saved (mean over rollouts) "
             f"{cell(r['kv_saved'])}; step-0 α tail (5th percentile, worst length bin) "

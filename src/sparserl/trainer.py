@@ -220,9 +220,9 @@ class GRPOTrainer:
         logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
                     if self.reference is not None else None)
         # α needs the sampler's whole distributions and the pre-update weights.
-        acceptance = {} if rollouts.shards[0].sampler_distribution is None and rollouts.shards[0].sampler_topk is None \
-            else rollout_alpha_metrics(self.model, rollouts.shards, cfg.rollout.temperature, cfg.rollout.alpha_bin_size,
-                                       micro_batch_size=mb)
+        acceptance = {} if not self.sparse else rollout_alpha_metrics(
+            self.model, rollouts.shards, cfg.rollout.temperature, cfg.rollout.alpha_bin_size, micro_batch_size=mb,
+            sampler_context=self.sampler)
         if isinstance(self.compression.schedule, AdaptiveBudget):  # the next step's budgets, from this step's tail
             self.compression.schedule.update(bin_tails(acceptance))
             self.state.kv_budgets = list(self.compression.schedule.budgets)

@@ -102,11 +102,13 @@ class RolloutBatch:
     rollout_seconds: float
     kv: KVStats = field(default_factory=KVStats)
     evictions: list[EvictionEvent] = field(default_factory=list)
-    # The sampler's whole processed next-token distribution, kept when the engine is asked to (what
-    # the acceptance rate needs): `[N, T, V]` log-probs for V <= FULL_DISTRIBUTION_VOCAB, else its
-    # top-k as log-probs and token ids, each `[N, T, k]`.
+    # The sampler's whole processed next-token distribution `[N, T, V]` as log-probs, kept when the
+    # engine is asked to (what the acceptance rate needs) and V <= FULL_DISTRIBUTION_VOCAB. Above
+    # that it would not fit ([64, 4096, 150k] floats is 150 GB), and α replays the sampler instead.
     sampler_distribution: torch.Tensor | None = None
-    sampler_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The batch holds what the exact replay of its sampler needs: dense rollouts, or sparse ones
+    # recorded with `record_evictions` (eviction events or block selections).
+    replayable: bool = False
     # Block-sparse rollouts recorded with `record_evictions`: the pages each decode query attended.
     block_selections: BlockSelections | None = None
 
@@ -197,14 +199,14 @@ class _RolloutAttention:
 
 
 FULL_DISTRIBUTION_VOCAB = 4096
-DISTRIBUTION_TOP_K = 20
 
 
 class RolloutEngine:
     """Samples from a causal LM with a dense or compressed KV cache, or block-sparse attention.
 
-    `record_distributions` keeps the sampler's processed next-token distribution at every response
-    position (see `RolloutBatch.sampler_distribution`), for the acceptance rate α.
+    `record_distributions` keeps what the acceptance rate α needs: the sampler's processed next-token
+    distribution at every response position for a vocabulary up to FULL_DISTRIBUTION_VOCAB, else
+    the eviction records or page selections that replay the sampler exactly (`RolloutBatch`).
     """
 
     def __init__(self, model, compression: KVCompression | BlockSparsity | None = None,
@@ -212,8 +214,9 @@ class RolloutEngine:
         self.model = model
         self.compression = compression
         self.policy = compression.build_policy() if isinstance(compression, KVCompression) else None
-        self.record_evictions = record_evictions
         self.record_distributions = record_distributions
+        large_vocabulary = model.get_output_embeddings().weight.shape[0] > FULL_DISTRIBUTION_VOCAB
+        self.record_evictions = record_evictions or (record_distributions and large_vocabulary)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
@@ -263,9 +266,8 @@ class RolloutEngine:
                            use_cache=True, logits_to_keep=1).logits[:, -1]
             for step in range(steps):
                 token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator)
-                if self.record_distributions:
-                    distributions.append(step_logp if step_logp.shape[-1] <= FULL_DISTRIBUTION_VOCAB
-                                         else step_logp.topk(DISTRIBUTION_TOP_K, dim=-1))
+                if self.record_distributions and step_logp.shape[-1] <= FULL_DISTRIBUTION_VOCAB:
+                    distributions.append(step_logp)
                 token = torch.where(live, token, sampling.pad_token_id)
                 response_ids[:, step] = token
                 logprobs[:, step] = torch.where(live, token_logprob, 0.0)
@@ -310,8 +312,9 @@ class RolloutEngine:
             sampler_logprobs=logprobs[:, :span], prompt_lengths=prompt_lengths,
             response_lengths=lengths, ended=ended,
             rollout_seconds=time.perf_counter() - started, kv=stats,
-            evictions=evictions, **_stack_distributions(distributions, span),
-            block_selections=selector.record if selector is not None else None,
+            evictions=evictions, block_selections=selector.record if selector is not None else None,
+            sampler_distribution=torch.stack(distributions[:span], dim=1) if distributions else None,
+            replayable=self.compression is None or self.record_evictions,
         )
 
     def _layer_budgets(self, budget: int, num_layers: int) -> list[int]:
@@ -344,15 +347,6 @@ class RolloutEngine:
             stats.compressions += 1
             stats.compress_seconds += time.perf_counter() - started
         return compressed
-
-
-def _stack_distributions(distributions: list, span: int) -> dict:
-    if not distributions:
-        return {}
-    if isinstance(distributions[0], torch.Tensor):
-        return {"sampler_distribution": torch.stack(distributions[:span], dim=1)}
-    return {"sampler_topk": (torch.stack([d.values for d in distributions[:span]], dim=1),
-                             torch.stack([d.indices for d in distributions[:span]], dim=1))}
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
