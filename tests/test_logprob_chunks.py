@@ -50,9 +50,10 @@ def _peak_rss_mib(mode: str) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_128k_vocabulary_update_stays_within_memory():
+def test_a_128k_vocabulary_update_and_alpha_stay_within_memory():
     # 8 × 512 response tokens × 128k float32 logits are 2 GB by themselves; the unchunked path
     # holds several such tensors (≈ 6.4 GB measured), the chunked one one chunk at a time (≈ 0.65 GB).
+    # α compares two such distributions (dense and replayed sampler) under the same chunking.
     chunked = _peak_rss_mib("chunked")
     assert chunked < RSS_BOUND_MIB
     assert _peak_rss_mib("unchunked") > RSS_BOUND_MIB, "the bound no longer separates the two paths"
