@@ -314,3 +314,15 @@ def test_a_budget_schedule_grows_memory_with_it_and_replays_exactly(tiny):
     assert torch.equal(dense.response_ids, sparse.response_ids)
     assert torch.equal(dense.sampler_logprobs, sparse.sampler_logprobs)
     assert layers >= 1
+
+
+def test_the_engine_uses_no_deprecated_transformers_argument(tiny):
+    # transformers 5.24 renamed forward's `past_key_values` to `cache` and will drop the old name in 5.40;
+    # the engine must pass the cache under whatever name the installed version takes.
+    import warnings
+
+    model, tokenizer = tiny
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        batch = _sample(model, tokenizer, KVCompression("rkv", budget=16, interval=4), max_new=24)
+    assert batch.kv.compressions > 0

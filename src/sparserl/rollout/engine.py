@@ -201,6 +201,12 @@ class _RolloutAttention:
 FULL_DISTRIBUTION_VOCAB = 4096
 
 
+def _cache_keyword(model) -> str:
+    """The name under which the model's forward takes the KV cache: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier 5.x know only the old."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class RolloutEngine:
     """Samples from a causal LM with a dense or compressed KV cache, or block-sparse attention.
 
@@ -258,11 +264,12 @@ class RolloutEngine:
         fed_tokens = prompt_lengths.clone()
         distributions: list = []
 
+        cache_keyword = _cache_keyword(model)
         with masked_attention(model, provider):
             columns = torch.arange(width, device=device).expand(batch, -1)
             provider.begin_forward(columns, prompt_mask)
             positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-            logits = model(input_ids=prompt_ids, position_ids=positions, past_key_values=cache,
+            logits = model(input_ids=prompt_ids, position_ids=positions, **{cache_keyword: cache},
                            use_cache=True, logits_to_keep=1).logits[:, -1]
             for step in range(steps):
                 token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator)
@@ -291,7 +298,7 @@ class RolloutEngine:
                 if selector is not None:
                     selector.begin_step(step, width + step, width + step + 1)
                 logits = model(input_ids=token[:, None], position_ids=(prompt_lengths + step)[:, None],
-                               past_key_values=cache, use_cache=True).logits[:, -1]
+                               **{cache_keyword: cache}, use_cache=True).logits[:, -1]
                 since_compression += 1
                 fed_tokens += fed_real.long()
                 if on_step is not None:
