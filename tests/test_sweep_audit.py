@@ -11,7 +11,7 @@ from sparserl.sweep import RegimeRule, choose_regimes
 
 
 def _row(budget, gap, veto, peak):
-    return {"budget": budget, "gap": gap, "veto_frac": veto, "kv_peak_frac": peak}
+    return {"budget": budget, "gap": gap, "veto_frac": veto, "saved_frac": 1 - peak}
 
 
 def test_regimes_by_hand():
@@ -39,6 +39,22 @@ def test_sweep_marks_a_huge_budget_as_dense(tmp_path, capsys):
     assert result["paper_regime_budget"] == 4096
     assert (tmp_path / "sweep.md").read_text().count("\n| ") == 3
     assert "Paper regime: 4096" in capsys.readouterr().out
+
+
+def test_block_sparse_sweep_counts_attention_reads_as_saved(tmp_path):
+    # Block attention keeps every token: peak KV bytes stay those of dense, and what a budget saves is
+    # the share of cached keys the sparse layers do not read. A budget under every prompt reads few.
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--out", str(out), "--sparsity", "block", "--block-dense-layers", "0", "--budgets",
+                 "48,4096", "--sample-prompts", "2", "--samples", "4", *COMMON]) == 0
+    result = json.loads(out.read_text())
+    small, huge = result["rows"]
+    assert result["sparsity"] == {"sparsity": "block", "page_size": 16, "dense_layers": 0}
+    assert small["kv_peak_frac"] >= 1 and huge["kv_peak_frac"] >= 1
+    assert huge["attended_frac"] == 1 and huge["saved_frac"] == 0 and huge["gap"] == 0
+    assert small["saved_frac"] == pytest.approx(1 - small["attended_frac"]) and small["attended_frac"] < 1
+    table = (tmp_path / "sweep.md").read_text()
+    assert "block-sparse attention, pages of 16, the first 0 layer(s) dense" in table and "attended share" in table
 
 
 @pytest.mark.parametrize("budget", [12, 4096])
