@@ -5,22 +5,29 @@
 #                                             # default: the built-in model
 # Needs a CUDA machine with the project installed (torch with CUDA, not the CPU pin). Prints the
 # step's timings and the rollout table; exits non-zero on any failure. Nothing else in the project
-# depends on a GPU.
+# depends on a GPU. `DEVICE=cpu LENGTHS=256` runs the same steps on the CPU, small, to check the
+# script itself (tests/test_devices.py does).
 set -euo pipefail
 MODEL="${1:-}"
 PY="${PYTHON:-.venv/bin/python}"
 OUT="${OUT:-/tmp/sparserl-gpu-smoke}"
-"$PY" - <<'PY'
-import torch
-assert torch.cuda.is_available(), "no CUDA device: this smoke test needs a GPU"
-print("device:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
+DEVICE="${DEVICE:-cuda}"
+LENGTHS="${LENGTHS:-1024 4096}"
+"$PY" - "$DEVICE" <<'PY'
+import sys, torch
+device = sys.argv[1]
+if device.startswith("cuda"):
+    assert torch.cuda.is_available(), "no CUDA device: this smoke test needs a GPU (DEVICE=cpu for a dry run)"
+    print("device:", torch.cuda.get_device_name(device), "| torch", torch.__version__)
+else:
+    print("device:", device, "(dry run) | torch", torch.__version__)
 PY
 MODEL_ARGS=()
 if [[ -n "$MODEL" ]]; then
   MODEL_ARGS=(--model "$MODEL" --task reasoning_gym --gym-dataset chain_sum --max-new-tokens 256 --kv-budget 128
               --kv-interval 32 --kl-coef 0)
 fi
-"$PY" -m sparserl.cli train "${MODEL_ARGS[@]}" --device cuda --dtype bfloat16 --mode sparse-rl --steps 1 \
+"$PY" -m sparserl.cli train "${MODEL_ARGS[@]}" --device "$DEVICE" --dtype bfloat16 --mode sparse-rl --steps 1 \
     --eval-every 0 --log-with none --out "$OUT/train" --overwrite
 "$PY" - "$OUT/train/metrics.jsonl" <<'PY'
 import json, sys
@@ -28,21 +35,23 @@ record = [json.loads(line) for line in open(sys.argv[1])][-1]
 keys = ("step_s", "rollout_s", "recompute_s", "update_s", "tokens_per_s", "kv_peak_frac", "alpha_tail", "xi_q01")
 print("train step:", {k: round(record[k], 4) for k in keys if k in record})
 PY
-"$PY" - "$MODEL" <<'PY'
+"$PY" - "$MODEL" "$DEVICE" $LENGTHS <<'PY'
 import sys, time, torch
 from sparserl.models import load_policy
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-model, tokenizer = load_policy(sys.argv[1] or None, torch.bfloat16, "cuda")
+model_dir, device, lengths = sys.argv[1] or None, sys.argv[2], [int(n) for n in sys.argv[3:]]
+model, tokenizer = load_policy(model_dir, torch.bfloat16, device)
+synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 prompts = [[(7 * i + r) % 90 + 3 for i in range(64)] for r in range(32)]
 print("| L | config | rollout s | tokens/s | peak KV / dense |")
 print("|---|---|---|---|---|")
-for length in (1024, 4096):
-    for name, comp in (("dense", None), (f"rkv B={length // 4}", KVCompression("rkv", budget=length // 4, interval=length // 32))):
+for length in lengths:
+    for name, comp in (("dense", None), (f"rkv B={length // 4}", KVCompression("rkv", budget=length // 4, interval=max(8, length // 32)))):
         engine = RolloutEngine(model, comp, record_evictions=False)
         sampling = SamplingConfig(length - 64, 1.0, None, tokenizer.pad_token_id or 0)
-        torch.cuda.synchronize(); started = time.perf_counter()
-        batch = engine.generate(prompts, sampling, torch.Generator(device="cuda").manual_seed(0))
-        torch.cuda.synchronize(); seconds = time.perf_counter() - started
+        synchronize(); started = time.perf_counter()
+        batch = engine.generate(prompts, sampling, torch.Generator(device=device).manual_seed(0))
+        synchronize(); seconds = time.perf_counter() - started
         tokens = int(batch.response_lengths.sum())
         print(f"| {length} | {name} | {seconds:.1f} | {tokens / seconds:.0f} | {batch.kv.kv_peak_bytes / batch.kv.kv_dense_bytes:.2f} |")
 PY

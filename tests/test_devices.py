@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -101,3 +106,15 @@ def test_the_dense_recompute_runs_sdpa_and_matches_eager_attention(tiny_model_di
     with torch.no_grad():
         eager, _ = response_logprobs(model, ids, mask, 6)
     torch.testing.assert_close(fast, eager, atol=1e-5, rtol=0)
+
+
+def test_the_gpu_smoke_script_runs_as_a_cpu_dry_run(tmp_path):
+    # GPU sessions are rare here: the script must not go stale between them. Same steps, CPU, short.
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_smoke.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "LENGTHS": "128", "OUT": str(tmp_path),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "train step: {" in done.stdout and "'rollout_s'" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 128 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["dense", "rkv B=32"]
