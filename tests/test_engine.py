@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -319,8 +321,6 @@ def test_a_budget_schedule_grows_memory_with_it_and_replays_exactly(tiny):
 def test_the_engine_uses_no_deprecated_transformers_argument(tiny):
     # transformers 5.24 renamed forward's `past_key_values` to `cache` and will drop the old name in 5.40;
     # the engine must pass the cache under whatever name the installed version takes.
-    import warnings
-
     model, tokenizer = tiny
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
