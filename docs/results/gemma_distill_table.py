@@ -5,18 +5,19 @@ the α mean and the sampler's log-perplexity (a collapse shows there) at step 1 
 zero) and averaged over steps 2–5 and 6–10, and the first two minus the plain run's of the same
 seed, step by step; the adapter's KL(dense ‖ sparse) at steps 1 / 5 / 10;
 the veto rate, KV kept and step time.
-Usage: python docs/results/gemma_distill_table.py runs/distill/gemma-frozen plain distill"""
+Usage: python docs/results/gemma_distill_table.py runs/distill/gemma-frozen plain distill distill-lr1e-5 distill-lr1e-3"""
 
-import json
 import sys
 from pathlib import Path
+
+from sparserl.metrics_log import read_metrics
 
 WINDOWS = ((1, 1), (2, 5), (6, 10))
 KL_STEPS = (1, 5, 10)
 
 
 def load_steps(run: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    return {row["step"]: row for row in read_metrics(run / "metrics.jsonl")}
 
 
 def windows(steps: dict[int, dict], key: str) -> str:
@@ -28,6 +29,9 @@ def windows(steps: dict[int, dict], key: str) -> str:
 
 
 def kl(steps: dict[int, dict]) -> str:
+    """The adapter's KL at KL_STEPS; a run without an adapter has none."""
+    if not any("distill_kl" in row for row in steps.values()):
+        return "—"
     return "/".join(f"{steps[s]['distill_kl']:.3f}" if "distill_kl" in steps.get(s, {}) else "—" for s in KL_STEPS)
 
 
@@ -52,8 +56,7 @@ for group in groups:
         plain_run = root / f"plain-s{seed}"
         plain = load_steps(plain_run) if group != "plain" and plain_run.exists() else None
         gaps = f"{paired_gap(steps, plain, 'alpha_tail')} / {paired_gap(steps, plain, 'alpha_mean')}" if plain else "—"
-        has_kl = any("distill_kl" in row for row in steps.values())
         print(f"| {group} | {seed} | {windows(steps, 'alpha_tail')} | {windows(steps, 'alpha_mean')} | {gaps} "
-              f"| {windows(steps, 'logppl_sampler')} | {kl(steps) if has_kl else '—'} "
+              f"| {windows(steps, 'logppl_sampler')} | {kl(steps)} "
               f"| {mean_over_steps(steps, 'flagged_veto_frac'):.3f} | {mean_over_steps(steps, 'kv_kept_frac'):.3f} "
               f"| {mean_over_steps(steps, 'step_s'):.0f} |")
