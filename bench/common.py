@@ -18,3 +18,8 @@ def contention_probe(threads: int, repeats: int = 200) -> float:
         torch.nn.functional.linear(x, w)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
+
+
+def compression_interval(length: int) -> int:
+    """Δ of the benches' B = L/4 rows: max(8, L/32), so 16/32/64/128 at L = 512/1024/2048/4096."""
+    return max(8, length // 32)

@@ -35,8 +35,9 @@ record = [json.loads(line) for line in open(sys.argv[1])][-1]
 keys = ("step_s", "rollout_s", "recompute_s", "update_s", "tokens_per_s", "kv_peak_frac", "alpha_tail", "xi_q01")
 print("train step:", {k: round(record[k], 4) for k in keys if k in record})
 PY
-"$PY" - "$MODEL" "$DEVICE" $LENGTHS <<'PY'
+PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$MODEL" "$DEVICE" $LENGTHS <<'PY'
 import sys, time, torch
+from common import compression_interval
 from sparserl.models import load_policy
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 model_dir, device, lengths = sys.argv[1] or None, sys.argv[2], [int(n) for n in sys.argv[3:]]
@@ -46,7 +47,7 @@ prompts = [[(7 * i + r) % 90 + 3 for i in range(64)] for r in range(32)]
 print("| L | config | rollout s | tokens/s | peak KV / dense |")
 print("|---|---|---|---|---|")
 for length in lengths:
-    for name, comp in (("dense", None), (f"rkv B={length // 4}", KVCompression("rkv", budget=length // 4, interval=max(8, length // 32)))):
+    for name, comp in (("dense", None), (f"rkv B={length // 4}", KVCompression("rkv", budget=length // 4, interval=compression_interval(length)))):
         engine = RolloutEngine(model, comp, record_evictions=False)
         sampling = SamplingConfig(length - 64, 1.0, None, tokenizer.pad_token_id or 0)
         synchronize(); started = time.perf_counter()

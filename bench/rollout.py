@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from common import contention_probe
+from common import compression_interval, contention_probe
 
 PROMPT_LEN = 64
 WINDOW = 8
@@ -185,7 +185,7 @@ def configs_for(args, model_name: str, length: int):
     """(label, policy, budget, interval) for every row of one (model, L); policy None = dense, 'hf' = HF,
     'block' = block-sparse attention (its 'interval' slot holds the number of dense first layers)."""
     rows = [("dense", None, None, None)]
-    interval = max(8, length // 32)
+    interval = compression_interval(length)
     for policy in args.policy_lists[model_name]:
         rows.append((policy, policy, length // 4, interval))
     if model_name == "builtin":
@@ -399,7 +399,7 @@ def profile(args, spec: str) -> str:
     length = int(length)
     model = build_model(model_name, args.seed)
     prompts = make_prompts(args.batch, model.config.vocab_size, args.seed + length)
-    comp = KVCompression(policy, budget=length // 4, window=WINDOW, interval=max(8, length // 32))
+    comp = KVCompression(policy, budget=length // 4, window=WINDOW, interval=compression_interval(length))
     run_ours(model, prompts, 192, KVCompression(policy, budget=64, window=WINDOW, interval=16), 0)  # warm-up
     profiler = cProfile.Profile()
     profiler.enable()

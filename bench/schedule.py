@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import contention_probe
+from common import compression_interval, contention_probe
 from rollout import PROMPT_LEN, WINDOW, build_model, make_prompts, run_ours
 
 from sparserl.cost_model import DEFAULT_CACHE, CostModel
@@ -36,7 +36,7 @@ from sparserl.rollout.schedule import BinnedBudget
 
 
 def configurations(length: int) -> list[tuple[str, object]]:
-    interval = max(8, length // 32)
+    interval = compression_interval(length)
     quarter = length // 4
     schedule = BinnedBudget(quarter, (length // 8, 3 * length // 16, quarter, quarter))
     return [("dense", None),
