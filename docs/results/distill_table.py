@@ -25,12 +25,15 @@ def per_seed_arrow(seeds: list[dict], key: str) -> str:
 
 
 def adapter_kl(seeds: list[dict]) -> str:
+    """The adapter's KL at KL_STEPS, per seed; a mode without an adapter has none."""
+    if not any("distill_kl" in r for s in seeds for r in s["steps"]):
+        return "—"
+
     def at(steps: list[dict], step: int) -> str:
         row = next((r for r in steps if r["step"] == step and "distill_kl" in r), None)
         return f"{row['distill_kl']:.2f}" if row else "—"
 
-    per_seed = ["/".join(at(s["steps"], step) for step in KL_STEPS) for s in seeds]
-    return "—" if all(set(p) <= set("—/") for p in per_seed) else ", ".join(per_seed)
+    return ", ".join("/".join(at(s["steps"], step) for step in KL_STEPS) for s in seeds)
 
 
 print(f"| | held-out acc, dense inf. | sparse inf. | α tail, first {WINDOW} steps → last {WINDOW} (per seed) "
