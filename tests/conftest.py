@@ -39,6 +39,19 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+def replay_logprobs(model, batch, rows=None) -> torch.Tensor:
+    """Sparse-sampler log-probs `[n, T]` of `batch`'s responses, rebuilt by one forward under the
+    replay masks: what every exact-replay test compares with the recorded ones."""
+    from sparserl.recompute import response_logprobs
+    from sparserl.rollout.replay import replay_attention
+
+    rows = slice(None) if rows is None else rows
+    with replay_attention(model, batch, rows):
+        logprobs, _ = response_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
+                                        batch.prompt_ids.shape[1])
+    return logprobs
+
+
 def kill_part_way_then_resume(argv: list[str], out, steps: int, lines: int) -> int:
     """Run `sparserl` with `argv` in a subprocess, SIGKILL it once its metrics hold `lines` records,
     then resume it in this process to `steps`. Returns the steps the killed run had logged."""

@@ -10,12 +10,11 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, replay_logprobs
 from sparserl.recompute import response_logprobs
 from sparserl.rollout.block_sparse import BlockSelector, BlockSparsity, PageCentroids, page_scores, select_pages
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig, sparsity_from_config
 from sparserl.rollout.kv_cache import build_cache
-from sparserl.rollout.replay import replay_logprobs
 from sparserl.rollout.schedule import BinnedBudget
 from sparserl.tasks.pointer_walk import PointerWalkTask
 

@@ -340,12 +340,41 @@ def test_shape_mismatch_raises():
 def test_rejection_by_length():
     lengths = torch.tensor([10, 70, 100, 90, 600, 0, 30])
     seq_keep = torch.tensor([False, True, False, True, False, True, True])
-    out = rejection_by_length(lengths, seq_keep, [0, 64, 128, 256, 512])
-    # [0,64): 10 vetoed, 30 kept (length 0 skipped) -> 1/2; [64,128): 1 of 3; [512,inf): 1 of 1.
+    out = rejection_by_length(lengths, seq_keep, [64, 128, 256, 512])
+    # [0,64): 10 vetoed, 30 kept (length 0 not counted) -> 1/2; [64,128): 1 of 3; [512,inf): 1 of 1.
     assert out == {"veto_frac_len_0_64": 0.5, "veto_frac_len_64_128": pytest.approx(1 / 3),
                    "veto_frac_len_512_inf": 1.0}
-    with pytest.raises(ValueError, match="edges"):
-        rejection_by_length(lengths, seq_keep, [0, 64, 64])
+    with pytest.raises(ValueError, match="positive and non-decreasing"):
+        rejection_by_length(lengths, seq_keep, [64, 32])
+    with pytest.raises(ValueError, match="positive and non-decreasing"):
+        rejection_by_length(lengths, seq_keep, [0, 64])
+
+
+def test_the_shortest_quarter_of_responses_has_its_bucket():
+    # The trainer's boundaries for a response bound of 84 tokens: the quarters 21, 42, 63.
+    lengths = torch.tensor([1, 20, 20, 21, 41, 42, 50, 62, 63, 84, 0])
+    seq_keep = torch.tensor([False, True, True, False, True, True, True, False, False, False, False])
+    # 1-20: 1 of 3 vetoed; 21-41: 1 of 2; 42-62: 1 of 3; 63-84: 2 of 2; the empty row is not counted.
+    assert rejection_by_length(lengths, seq_keep, [21, 42, 63]) == {
+        "veto_frac_len_0_21": pytest.approx(1 / 3), "veto_frac_len_21_42": 0.5,
+        "veto_frac_len_42_63": pytest.approx(1 / 3), "veto_frac_len_63_inf": 1.0}
+
+
+def test_every_response_length_falls_in_exactly_one_bucket():
+    from types import SimpleNamespace
+
+    from sparserl.trainer import GRPOTrainer
+
+    for bound in (1, 2, 3, 7, 84):
+        boundaries = GRPOTrainer._length_edges(SimpleNamespace(max_new_tokens=bound))
+        for length in range(1, bound + 1):
+            # One vetoed row of this length: exactly one bucket, the one whose [lo, hi) holds it.
+            out = rejection_by_length(torch.tensor([length]), torch.tensor([False]), boundaries)
+            assert list(out.values()) == [1.0], (bound, length, out)
+            lo, hi = next(iter(out)).split("_")[-2:]
+            assert int(lo) <= length < (math.inf if hi == "inf" else int(hi)), (bound, length, out)
+    assert len(rejection_by_length(torch.arange(1, 85), torch.ones(84, dtype=torch.bool),
+                                   GRPOTrainer._length_edges(SimpleNamespace(max_new_tokens=84)))) == 4
 
 
 def test_random_fuzz_against_reference():

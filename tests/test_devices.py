@@ -118,3 +118,17 @@ def test_the_gpu_smoke_script_runs_as_a_cpu_dry_run(tmp_path):
     assert "train step: {" in done.stdout and "'rollout_s'" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 128 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["dense", "rkv B=32"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_too_big_for_the_gpu_is_named_as_out_of_memory(tiny_model_dir):
+    from sparserl.models import ModelFilesError, load_policy
+
+    # Cap this process's share of the GPU far below the tiny model: moving it there is a real CUDA OOM.
+    torch.cuda.set_per_process_memory_fraction(1e-9)
+    try:
+        with pytest.raises(ModelFilesError, match=r"out of memory loading the model in .* onto cuda \(CUDA out of"):
+            load_policy(str(tiny_model_dir), torch.float32, torch.device("cuda"))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

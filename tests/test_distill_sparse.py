@@ -9,13 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_part_way_then_resume, make_tiny_model
+from conftest import kill_part_way_then_resume, make_tiny_model, replay_logprobs
 from sparserl.cli import main
 from sparserl.distill_sparse import DistillConfig, SamplerAdapter
 from sparserl.metrics_log import read_metrics
 from sparserl.recompute import batched_logprobs
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.replay import replay_logprobs
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 COMPRESSION = KVCompression("rkv", budget=10, window=3, interval=3)

@@ -8,11 +8,10 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, replay_logprobs
 from sparserl.recompute import response_logprobs
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 from sparserl.rollout.kv_policies import POLICIES
-from sparserl.rollout.replay import replay_logprobs
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 ALL_POLICIES = sorted(POLICIES)

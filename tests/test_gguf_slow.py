@@ -42,7 +42,7 @@ def test_one_sparse_rl_step_on_gemma3(gemma_dir, tmp_path):
 def test_sparse_replay_on_gemma3(gemma_dir):
     from sparserl.models import load_policy
     from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-    from sparserl.rollout.replay import replay_logprobs
+    from conftest import replay_logprobs
 
     model, tokenizer = load_policy(str(gemma_dir))
     prompts = [tokenizer("The capital of France is").input_ids, tokenizer("2 + 2 =").input_ids]

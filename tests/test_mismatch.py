@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparserl.mismatch import acceptance_rate, alpha_metrics, alpha_points, tail_statistic
+from sparserl.mismatch import acceptance_rate, alpha_metrics, alpha_points
 
 
 def _brute_alpha(p: np.ndarray, q: np.ndarray) -> float:
@@ -44,26 +44,26 @@ def test_acceptance_rate_extremes():
     assert acceptance_rate(masked, torch.log(torch.tensor([0.5, 0.5, 0.0]))).item() == pytest.approx(0.5)
 
 
-def test_tail_statistic_matches_numpy():
+def test_alpha_metrics_tail_matches_numpy():
+    # Random α over 6 rows with prompts of different lengths; bins of 8 cached positions. The 5th
+    # percentile of each bin with at least 20 tokens, from numpy over the brute-force bin membership.
     generator = torch.Generator().manual_seed(0)
-    alpha = torch.rand(5, 23, generator=generator, dtype=torch.float64)
-    lengths = torch.tensor([23, 17, 9, 1, 0])
-    mask = torch.arange(23)[None, :] < lengths[:, None]
-    got = tail_statistic(alpha, mask, bin_size=8, quantile=0.05)
-    assert got.shape == (3,)
-    for b in range(3):
-        values = [alpha[i, t].item() for i in range(5) for t in range(8 * b, min(8 * b + 8, 23)) if mask[i, t]]
-        assert got[b].item() == pytest.approx(float(np.quantile(np.array(values), 0.05)), abs=1e-6)
-
-
-def test_tail_statistic_empty_bins_are_nan():
-    alpha = torch.ones(2, 10)
-    mask = torch.zeros(2, 10, dtype=torch.bool)
-    mask[0, :3] = True
-    got = tail_statistic(alpha, mask, bin_size=4, quantile=0.5)
-    assert got[0].item() == 1.0 and math.isnan(got[1].item()) and math.isnan(got[2].item())
-    with pytest.raises(ValueError):
-        tail_statistic(alpha, mask[:, :5], bin_size=4)
+    alpha = torch.rand(6, 30, generator=generator, dtype=torch.float64)
+    prompts, responses = torch.tensor([3, 5, 5, 9, 2, 4]), torch.tensor([30, 25, 17, 30, 9, 0])
+    mask = torch.arange(30)[None, :] < responses[:, None]
+    out = alpha_metrics(*alpha_points(alpha, mask, prompts), bin_size=8, quantile=0.05)
+    by_bin: dict[int, list[float]] = {}
+    for i in range(6):
+        for t in range(int(responses[i])):
+            by_bin.setdefault((int(prompts[i]) + t) // 8 * 8, []).append(alpha[i, t].item())
+    expected = {start: float(np.quantile(np.array(v), 0.05)) for start, v in by_bin.items() if len(v) >= 20}
+    assert expected and len(expected) < len(by_bin)  # some bins are too sparse to have a tail
+    got = {int(k.rsplit("_", 1)[1]): v for k, v in out.items() if k.startswith("alpha_tail_len_")}
+    assert got.keys() == expected.keys()
+    for start, value in expected.items():
+        assert got[start] == pytest.approx(value, abs=1e-6)
+    assert out["alpha_tail"] == pytest.approx(min(expected.values()), abs=1e-6)
+    assert out["alpha_tail_tokens"] == sum(len(by_bin[s]) for s in expected)
 
 
 def test_alpha_metrics_bin_by_cached_length_by_hand():

@@ -64,7 +64,7 @@ def test_prompt_demonstration_and_label(letters, min_letters):
         demo, label = my_walk(links, start, hops)
         assert example.demonstration == demo
         assert example.label == label
-        assert len(example.prompt) == 2 * n + 4 <= task.prompt_chars
+        assert len(example.prompt) == 2 * n + 4  # ^, n links of 2, |, start, last counter
         assert len(example.demonstration) == 3 * hops + 3 <= task.max_response_chars
         seen_n.add(n)
         seen_hops.add(hops)

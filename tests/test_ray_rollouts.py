@@ -70,10 +70,30 @@ def test_two_workers_equal_in_process_shards_with_distill_sparse_and_resume(loca
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model_dir, tmp_path):
+    def _optimizers_held(worker) -> tuple[bool, int]:
+        """In a worker (nested, so that Ray ships it by value): whether it holds the adapter, and
+        how many optimizers live in its process."""
+        import gc
+
+        import torch
+
+        return worker.sampler.adapter is not None, sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects())
+
+    settings = _settings(tiny_model_dir, tmp_path / "run", rollout_workers=2, distill_sparse="true", distill_rank=2)
+    trainer = GRPOTrainer(load_config(None, settings))
+    try:
+        held = ray.get([w.__ray_call__.remote(_optimizers_held) for w in trainer.rollouts.workers])
+    finally:
+        trainer.rollouts.close()
+    assert held == [(True, 0), (True, 0)]
+    assert trainer.adapter.optimizer is not None  # the driver's adapter trains
+
+
 def _trainer_with_fault(settings: dict, fault) -> tuple[GRPOTrainer, threading.Thread]:
     """A trainer whose first rollout request sets off `fault(pids)` from another thread."""
     trainer = GRPOTrainer(load_config(None, settings))
-    pids = trainer.rollouts.worker_pids()
+    pids = ray.get([worker.pid.remote() for worker in trainer.rollouts.workers])
     requested = threading.Event()
     generate = trainer.rollouts.generate
 

@@ -74,6 +74,7 @@ def test_report_table_regime_and_verdicts(tmp_path):
         data = (out / name).read_bytes()
         assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n", name
     text = report.read_text()
+    assert "Problems reading the runs" not in text
     table = paper_table(out)
     # Regime: every sparse run's step-0 gap is 0.1; step-1 flagged veto 0.2 and 0.3 in both sparse modes.
     assert "gap dense − sparse +10.0 pts (+10.0–+10.0)" in table
@@ -129,8 +130,9 @@ def test_incomplete_and_missing_runs(tmp_path):
     out = _compare_dir(tmp_path)
     (out / "sparse-rl" / "seed1" / "final_eval.json").unlink()
     (out / "naive-sparse" / "seed0" / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy_dense": 0.5}\n{"step": 1, "rew')
-    text = write_report(out).read_text()
-    rows = _rows(paper_table(out))
+    with pytest.warns(UserWarning, match=r"naive-sparse/seed0/metrics.jsonl: line 2 was cut off"):
+        text = write_report(out).read_text()
+        rows = _rows(paper_table(out))
     # Incomplete: held-out accuracy falls back to the latest in-training evaluation (step 2 here).
     assert rows["sparse-rl (1 incomplete)"][0] == "80.0% (80.0–80.0)"
     assert "naive-sparse" in text and all((out / p).exists() for p in PLOTS)
@@ -220,3 +222,49 @@ def test_a_report_without_alpha_has_no_alpha_section(tmp_path):
     text = write_report(out).read_text()
     assert "Acceptance rate α" not in text and ALPHA_PLOT not in text and not (out / ALPHA_PLOT).exists()
     assert "| dense |" in text
+
+
+def test_a_bad_metrics_line_before_the_last_stops_the_report_naming_file_and_line(tmp_path):
+    out = _compare_dir(tmp_path)
+    metrics = out / "sparse-rl" / "seed1" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][: len(lines[1]) // 2], lines[2]]) + "\n")
+    with pytest.raises(ValueError, match=r"sparse-rl/seed1/metrics.jsonl: line 2 is not valid JSON"):
+        write_report(out)
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"mode": "sparse-rl", "dense": {"accur', "not valid JSON (Unterminated string"),  # cut off
+    ("", "not valid JSON (Expecting value"),
+    ("[0.8]", "holds a JSON list, not an object"),
+    ('{"dense": {"accuracy": "80%"}}', "dense.accuracy is '80%', not a number"),
+    ('{"dense": 0.8}', "dense is 0.8, not a JSON object"),
+])
+def test_an_unreadable_final_eval_is_said_and_the_run_reported_as_incomplete(tmp_path, content, problem):
+    out = _compare_dir(tmp_path)
+    final_eval = out / "sparse-rl" / "seed1" / "final_eval.json"
+    final_eval.write_text(content)
+    text, table = write_report(out).read_text(), paper_table(out)
+    for shown in (text, table):  # report.md, and what `sparserl compare` prints
+        problems = shown.split("Problems reading the runs:\n\n")[1].split("\n\n")[0].splitlines()
+        assert len(problems) == 1 and problems[0].startswith(f"- sparse-rl, seed 1: {final_eval}: {problem}")
+        assert "reported as incomplete" in problems[0] and "delete the file and rerun `sparserl compare`" in problems[0]
+    row = _rows(table)["sparse-rl (1 incomplete)"]
+    # Seed 1 falls back to its step-2 evaluation (0.8) and logs no exact walks, so that cell is seed 0's
+    # final_eval alone (0.79); its rollout time is the sum of its steps' rollout_s, 2 + 2 = 4 s.
+    assert row[0] == "80.0% (80.0–80.0)" and row[2] == "79.0%" and row[6] == "4.0 (4.0–4.0)"
+
+
+def test_a_directory_without_compare_json_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"holds no compare.json; pass the --out directory of a `sparserl compare`"):
+        write_report(tmp_path)
+
+
+def test_the_veto_by_length_table_labels_each_bucket_by_its_lengths(tmp_path):
+    out = _compare_dir(tmp_path)
+    section = write_report(out).read_text().split("## Sequences flagged by the veto, by response length")[1]
+    table = section.split("##")[0]
+    # The fixture logs buckets [0, 16) and [16, inf): lengths 0-15 and 16 and up.
+    assert "| Mode | len 0–15 | len ≥ 16 |" in table
+    # sparse-rl flags 0.2 and 0.3 of all sequences per seed, twice that in the long bucket: 0.4 and 0.6.
+    assert _rows(table)["sparse-rl"] == ["0.000 (0.000–0.000)", "0.500 (0.400–0.600)"]

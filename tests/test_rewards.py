@@ -1,17 +1,15 @@
-"""Rewards, the reward guard, and the data-backed tasks, against hand-worked expectations."""
+"""Math grading and the data-backed tasks, against hand-worked expectations (the reward guard is
+tested in test_reward_runner.py and test_reward_guard.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from sparserl.rewards import boxed_answer, math_verify_reward, safe_reward
+from sparserl.rewards import boxed_answer, math_verify_reward
 from sparserl.tasks.math_jsonl import DataError, MathJsonlTask
 from sparserl.tasks.registry import build_task
 
@@ -58,78 +56,16 @@ def test_math_verify_hand_cases(completion: str, label: str, expected: float) ->
     assert math_verify_reward([completion], label=[label]) == [expected]
 
 
-# --- safe_reward ------------------------------------------------------------------------------
-
-def _raises(completions: list[str], **kwargs: Any) -> list[float]:
-    if completions[0] == "bad":
-        raise RuntimeError("boom")
-    return [1.0]
-
-
-def _sleeps(completions: list[str], **kwargs: Any) -> list[float]:
-    if completions[0] == "slow":
-        time.sleep(2.0)
-    return [1.0]
-
-
-def test_safe_reward_counts_failures() -> None:
-    guarded = safe_reward(_raises, timeout_s=1.0)
-    assert guarded(["ok", "bad", "ok"], label=["a", "b", "c"]) == [1.0, 0.0, 1.0]
-    assert guarded.failures == 1 and guarded.timeouts == 0
-    assert guarded.pop_counts() == {"reward_failures": 1, "reward_timeouts": 0}
-    assert guarded.pop_counts() == {"reward_failures": 0, "reward_timeouts": 0}
-
-
-def test_safe_reward_times_out_without_blocking() -> None:
-    guarded = safe_reward(_sleeps, timeout_s=0.2)
-    start = time.perf_counter()
-    assert guarded(["slow", "fast"]) == [0.0, 1.0]
-    assert time.perf_counter() - start < 1.0
-    assert guarded.pop_counts() == {"reward_failures": 0, "reward_timeouts": 1}
-
-
-def test_safe_reward_recovers_when_all_workers_hang() -> None:
-    guarded = safe_reward(_sleeps, timeout_s=0.1)
-    start = time.perf_counter()
-    # More hung calls than workers (4): a fresh pool must take over for the last one.
-    assert guarded(["slow"] * 5 + ["fast"]) == [0.0] * 5 + [1.0]
-    assert time.perf_counter() - start < 1.5
-    assert guarded.timeouts == 5
-
-
-def test_safe_reward_passes_row_columns() -> None:
-    seen: list[dict[str, Any]] = []
-
-    def spy(completions: list[str], **kwargs: Any) -> list[float]:
-        seen.append(kwargs)
-        return [1.0]
-
-    safe_reward(spy)(["x", "y"], label=["1", "2"], extra=[{"k": 1}, {"k": 2}], step=7)
-    assert seen == [{"label": ["1"], "extra": [{"k": 1}], "step": 7},
-                    {"label": ["2"], "extra": [{"k": 2}], "step": 7}]
-
-
-def test_safe_math_verify_off_main_thread() -> None:
-    guarded = safe_reward(math_verify_reward, timeout_s=5.0)
-    out: list[list[float]] = []
-    thread = threading.Thread(
-        target=lambda: out.append(guarded([r"\boxed{0.5}", r"\boxed{3}"], label=["1/2", "4"])))
-    thread.start()
-    thread.join(timeout=10)
-    assert out == [[1.0, 0.0]]
-    assert guarded.pop_counts() == {"reward_failures": 0, "reward_timeouts": 0}
-
-
 # --- MathJsonlTask ----------------------------------------------------------------------------
 
 def test_math_jsonl_loads_and_splits() -> None:
     task = MathJsonlTask(FIXTURE)
-    # 12 records (the blank line is skipped): floor(10% of 12) = 1 test, 11 train.
-    assert task.split_size("train") == 11 and task.split_size("test") == 1
-    train = task.examples(11, seed=0)
-    test = task.examples(1, seed=0, split="test")
+    # 12 records (the blank line is skipped): floor(10% of 12) = 1 test, 11 train. A split is
+    # drawn without repeats while it lasts, so 3 passes show exactly its records.
+    train = task.examples(33, seed=0)
+    test = task.examples(3, seed=0, split="test")
     train_prompts, test_prompts = {e.prompt for e in train}, {e.prompt for e in test}
-    assert len(train_prompts) == 11 and not train_prompts & test_prompts
+    assert len(train_prompts) == 11 and len(test_prompts) == 1 and not train_prompts & test_prompts
     assert len(train_prompts | test_prompts) == 12
     by_prompt = {e.prompt: e.label for e in train + test}
     assert by_prompt["Solve for x: 3x = 12."] == "4"  # JSON number 4

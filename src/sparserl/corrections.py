@@ -1,4 +1,5 @@
-"""Rollout corrections (SPEC §3): rejection filters and importance weights for sparse rollouts.
+"""Rollout corrections: rejection filters and importance weights for sparse rollouts (Sparse-RL's,
+and the sequence filters of verl and OpenRLHF).
 
 Given the log-probs of the sampled tokens under the dense old policy (π_old) and under the sparse
 sampler (π_sparse), with ξ = π_old / π_sparse per token, decide which tokens take part in the loss
@@ -294,7 +295,8 @@ def _sequence_statistic_metrics(stats: dict[str, torch.Tensor], has_resp: torch.
 
 
 def _metrics(*, logp_old, logp_sampler, clamped, xi, resp, seq_keep, has_resp, in_band, keep, w) -> dict[str, float]:
-    """Metrics of SPEC §3.6; all [B, T] float64 / bool except seq_keep, has_resp [B] bool.
+    """The mismatch metrics logged every step (ξ statistics, log-perplexities, KL, rejection rates,
+    effective sample size); all [B, T] float64 / bool except seq_keep, has_resp [B] bool.
 
     Conventions when there is nothing to average: ξ statistics 1.0 (no mismatch), log-ppl and KL
     0.0, fractions 0.0, ess 1.0 when no token is kept (0.0 if kept tokens all weigh 0),
@@ -344,23 +346,24 @@ def _metrics(*, logp_old, logp_sampler, clamped, xi, resp, seq_keep, has_resp, i
 
 
 def rejection_by_length(
-    response_lengths: torch.Tensor, seq_keep: torch.Tensor, edges: Sequence[int]
+    response_lengths: torch.Tensor, seq_keep: torch.Tensor, boundaries: Sequence[int]
 ) -> dict[str, float]:
     """Veto fraction per response-length bucket, to make a length-dependent filter visible.
 
-    response_lengths: [B] ints; seq_keep: [B] bool (False = vetoed); edges: strictly increasing.
-    Buckets are [edges[i], edges[i+1]) and a last [edges[-1], inf), keyed
-    `veto_frac_len_{lo}_{hi}` (`..._inf` for the last). Empty buckets are omitted; rows of length
-    0 are skipped (they can't be vetoed, as in `veto_frac`), as are lengths below edges[0].
+    response_lengths: [B] ints; seq_keep: [B] bool (False = vetoed); boundaries: where one bucket
+    ends and the next starts, positive and non-decreasing. The buckets [0, b0), [b0, b1), ...,
+    [b_last, inf) hold every length once, keyed `veto_frac_len_{lo}_{hi}` (`..._inf` for the
+    last). Empty buckets are omitted, so a repeated boundary (a response bound shorter than the
+    number of buckets) just gives fewer keys; rows of length 0 are not counted (they can't be
+    vetoed, as in `veto_frac`).
     """
-    edges = [int(e) for e in edges]
-    if not edges or any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ValueError(f"edges must be a non-empty strictly increasing sequence, got {edges!r}")
+    boundaries = [int(b) for b in boundaries]
+    if any(b <= 0 for b in boundaries) or any(b < a for a, b in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"length bucket boundaries must be positive and non-decreasing, got {boundaries!r}")
     lengths = response_lengths.detach().long().cpu()
     vetoed = ~seq_keep.detach().bool().cpu()
     out: dict[str, float] = {}
-    for i, lo in enumerate(edges):
-        hi = edges[i + 1] if i + 1 < len(edges) else None
+    for lo, hi in zip([0, *boundaries], [*boundaries, None]):
         sel = (lengths >= lo) & (lengths > 0)
         if hi is not None:
             sel &= lengths < hi

@@ -1,4 +1,4 @@
-"""DistillSparse (Sparrow, SPEC §4): a LoRA adapter that is active only in the sparse sampler.
+"""DistillSparse (Sparrow's sampler adapter): a LoRA adapter that is active only in the sparse sampler.
 
 The adapter (peft LoRA, B = 0 at start, so the sampler starts as the policy) is switched on only
 while the sparse engine samples (and for sparse-inference evaluation). The dense recompute of
@@ -53,20 +53,25 @@ def distill_config(train) -> DistillConfig:
 
 
 class SamplerAdapter:
-    """The LoRA of the sparse sampler, injected into the policy model and disabled outside `active()`."""
+    """The LoRA of the sparse sampler, injected into the policy model and disabled outside `active()`.
 
-    def __init__(self, model, config: DistillConfig):
+    `trainable=False` builds the sampling side only (a Ray worker's copy, which receives the
+    adapter's weights and never steps): no optimizer, so `train_step`, `save` and `load` are the
+    driver's.
+    """
+
+    def __init__(self, model, config: DistillConfig, trainable: bool = True):
         from peft import LoraConfig, inject_adapter_in_model
 
         targets = config.target_modules if config.target_modules == "all-linear" else \
             [name.strip() for name in config.target_modules.split(",") if name.strip()]
         lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=targets,
                           init_lora_weights=True)
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        policy_trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         inject_adapter_in_model(lora, model, adapter_name=ADAPTER_NAME)
         # peft freezes everything but adapters; the policy's own weights must stay trainable.
         for name, parameter in model.named_parameters():
-            if name.replace(".base_layer.", ".") in trainable:
+            if name.replace(".base_layer.", ".") in policy_trainable:
                 parameter.requires_grad_(True)
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -78,7 +83,8 @@ class SamplerAdapter:
         self.parameters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
         if not self.parameters:
             raise ValueError(f"distill_target_modules {config.target_modules!r} matched no layer of the model")
-        self.optimizer = torch.optim.AdamW(self.parameters.values(), lr=config.lr, weight_decay=0.0)
+        self.optimizer = (torch.optim.AdamW(self.parameters.values(), lr=config.lr, weight_decay=0.0)
+                          if trainable else None)
         self._set(False)
 
     # ------------------------------------------------------------------ switching

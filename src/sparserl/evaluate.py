@@ -14,15 +14,21 @@ import torch
 from tqdm import tqdm
 
 from .mismatch import rollout_alpha_metrics
+from .reward_runner import RewardRunner
 from .rollout.block_sparse import BlockSparsity
 from .rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
-from .tasks.base import Example, Task, reward_columns, walk_metrics
+from .tasks.base import Example, Task, walk_metrics
 
 
 @dataclass
 class Completions:
     texts: list[str]
     batches: list[RolloutBatch]
+
+    @property
+    def ids(self) -> list[list[int]]:
+        """Each completion's token ids, without padding."""
+        return [ids for batch in self.batches for ids in response_ids(batch)]
 
 
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
@@ -49,18 +55,29 @@ def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, tem
     return Completions(texts, batches)
 
 
+def response_ids(batch: RolloutBatch) -> list[list[int]]:
+    return [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
+
+
 def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
-    ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return tokenizer.batch_decode(response_ids(batch), skip_special_tokens=True)
 
 
 def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
-                  compression: KVCompression | BlockSparsity | None = None) -> dict[str, float]:
-    """Greedy `accuracy` (reward 1) on `examples`, plus the task's `walk_metrics` where it has them."""
+                  compression: KVCompression | BlockSparsity | None = None,
+                  rewards: RewardRunner | None = None) -> dict[str, float]:
+    """Greedy `accuracy` (reward 1) on `examples`, plus the task's `walk_metrics` where it has them.
+    `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`)."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression)
-    rewards = task.reward(done.texts, **reward_columns(examples))
-    return {"accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+    scores = (rewards or RewardRunner.for_task(task)).score_examples(examples, done.texts, done.ids)
+    return {"accuracy": sum(r >= 1.0 for r in scores) / max(len(scores), 1),
             **walk_metrics(task, done.texts, examples)}
+
+
+def task_rewards(config, task: Task) -> RewardRunner:
+    """The task's reward under the run's reward guard settings: what every evaluation scores with."""
+    return RewardRunner.for_task(task, timeout_s=config.train.reward_timeout,
+                                 max_failure_frac=config.train.max_reward_failure_frac)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -143,9 +160,11 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
                     "max_new_tokens": max_new_tokens}
     for mode in modes:
         compression = sparsity_from_config(config.rollout) if mode == "sparse" else None
+        rewards = task_rewards(config, task)
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                                config.rollout.temperature, config.train.seed, progress=True,
-                               alpha_bin_size=config.rollout.alpha_bin_size)
+                               alpha_bin_size=config.rollout.alpha_bin_size, rewards=rewards)
+        part.update({key: rewards.counts[key] for key in ("reward_failures", "reward_timeouts")})
         report[mode] = part
     headline = report[modes[0]]
     report.update(headline)
@@ -155,14 +174,16 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
 
 def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                     compression: KVCompression | BlockSparsity | None, samples: int, temperature: float, seed: int,
-                    progress: bool = False, alpha_bin_size: int = 16) -> dict:
+                    progress: bool = False, alpha_bin_size: int = 16, rewards: RewardRunner | None = None) -> dict:
     """Greedy accuracy (and walk metrics), pass@k from `samples` samples, and under sparse inference
-    the KV figures and the acceptance rate α of the greedy rollouts against the dense model."""
+    the KV figures and the acceptance rate α of the greedy rollouts against the dense model.
+    `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`)."""
+    rewards = rewards or RewardRunner.for_task(task)
     kind = "dense" if compression is None else "sparse"
     label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
     greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, progress=label("greedy"),
                       record_distributions=compression is not None)
-    correct = [r >= 1.0 for r in task.reward(greedy.texts, **reward_columns(examples))]
+    correct = [r >= 1.0 for r in rewards.score_examples(examples, greedy.texts, greedy.ids)]
     result = {"accuracy": sum(correct) / max(len(correct), 1), **walk_metrics(task, greedy.texts, examples),
               **_token_figures(greedy.batches)}
     if compression is not None:
@@ -173,7 +194,7 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
 
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
                            generator=sampling_generator(model, seed), progress=label("sampled"))
-        hits = [r >= 1.0 for r in task.reward(sampled.texts, **reward_columns(examples, samples))]
+        hits = [r >= 1.0 for r in rewards.score_examples(examples, sampled.texts, sampled.ids, samples)]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]
         result["pass_at_k"] = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in per_example) / len(examples)

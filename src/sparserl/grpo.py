@@ -1,4 +1,4 @@
-"""GRPO objective: group-normalised advantages and the decoupled three-policy PPO loss (SPEC §3.3).
+"""GRPO objective: group-normalised advantages and the decoupled three-policy PPO loss.
 
     r_t  = exp(log π_θ − log π_old)
     A_i  = (R_i − mean_group R) / (std_group R + 1e-6)

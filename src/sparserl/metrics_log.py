@@ -59,8 +59,10 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics file. A torn last line (a run killed mid-write) is skipped with a
-    warning; a bad line elsewhere is an error that names the file and the line."""
+    """The step records of a metrics file, in file order; [] when there is no file. A torn last line
+    (a run killed mid-write) is skipped with a warning; any other line that is not a JSON object
+    with a "step" is an error that names the file and the line. The one reader of the file: the
+    trainer's resume, `compare` and the report all go through it."""
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
@@ -69,19 +71,23 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             if number == len(lines):
                 warnings.warn(f"{path}: line {number} was cut off by an interrupted write; ignoring it")
                 continue
             raise ValueError(f"{path}: line {number} is not valid JSON; remove or repair that line") from None
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            raise ValueError(f"{path}: line {number} is not a step record (a JSON object with an integer "
+                             "\"step\"); remove or repair that line")
+        records.append(record)
     return records
 
 
 def _truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     tmp.replace(path)

@@ -1,10 +1,10 @@
-"""How far the sparse sampler is from the dense policy, token by token (Sparrow, SPEC §4).
+"""How far the sparse sampler is from the dense policy, token by token (Sparrow's acceptance rate).
 
 `acceptance_rate` compares whole next-token distributions: α = Σ_v min(p_sparse(v), p_dense(v)),
 which is 1 − the total-variation distance and the probability that a draw from the sparse sampler
 would be accepted by speculative-decoding-style rejection against the dense policy. Most tokens
-have α > 0.999; training stability is decided by the lower tail, so `tail_statistic` takes a low
-quantile of α per position bin of the response.
+have α > 0.999; training stability is decided by the lower tail, so `alpha_metrics` takes a low
+quantile of α per bin of cached length (the length a budget schedule reads).
 """
 
 from __future__ import annotations
@@ -22,25 +22,6 @@ def acceptance_rate(logp_sparse: torch.Tensor, logp_dense: torch.Tensor) -> torc
         raise ValueError(f"logp_sparse and logp_dense must have one shape, got {tuple(logp_sparse.shape)} "
                          f"and {tuple(logp_dense.shape)}")
     return torch.minimum(logp_sparse.float(), logp_dense.float()).exp().sum(dim=-1)
-
-
-def tail_statistic(alpha: torch.Tensor, mask: torch.Tensor, bin_size: int, quantile: float = 0.05) -> torch.Tensor:
-    """Per position bin of the response, the `quantile` of α over its unmasked tokens.
-
-    alpha, mask: `[B, T]` (mask true or 1 on response tokens). Returns `[ceil(T / bin_size)]`
-    float32, NaN for a bin without tokens. Quantiles interpolate linearly, as `torch.quantile`.
-    """
-    if alpha.dim() != 2 or alpha.shape != mask.shape:
-        raise ValueError(f"alpha and mask must both be [B, T], got {tuple(alpha.shape)} and {tuple(mask.shape)}")
-    if bin_size < 1 or not 0.0 <= quantile <= 1.0:
-        raise ValueError(f"need bin_size >= 1 and quantile in [0, 1], got {bin_size} and {quantile}")
-    width = alpha.shape[1]
-    keep = mask.bool()
-    tails = []
-    for start in range(0, width, bin_size):
-        values = alpha[:, start:start + bin_size][keep[:, start:start + bin_size]].float()
-        tails.append(torch.quantile(values, quantile) if values.numel() else torch.tensor(math.nan))
-    return torch.stack(tails) if tails else torch.zeros(0)
 
 
 @torch.no_grad()

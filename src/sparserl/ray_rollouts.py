@@ -101,7 +101,7 @@ class RolloutWorker:
         # Parameters keep requires_grad as in the driver: turning it off changes which CPU kernels run
         # (4.8e-7 apart on the built-in model), and the workers must sample bitwise as the driver would.
         model = model.to(resolve_device(device)).eval()
-        adapter = SamplerAdapter(model, distill) if distill is not None else None
+        adapter = SamplerAdapter(model, distill, trainable=False) if distill is not None else None
         engine = RolloutEngine(model, compression, record_evictions=record_evictions,
                                record_distributions=record_distributions)
         self.sampler = Sampler(engine, adapter)
@@ -175,9 +175,6 @@ class RayRollouts:
                 raise RuntimeError(f"rollout worker {index} did not start in {self.timeout + START_SECONDS:g} s: "
                                    "are there free CPUs/GPUs in the Ray cluster (`ray status`)?")
         return started
-
-    def worker_pids(self) -> list[int]:
-        return self.ray.get([w.pid.remote() for w in self.workers])
 
     def sync_weights(self, model, version: int) -> None:
         """Put the model's weights at `version` (updates applied) in the object store, once."""

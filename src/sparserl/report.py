@@ -9,7 +9,10 @@ A mode whose runs trained DistillSparse is labelled "<mode> + DistillSparse".
 Every cell is the mean over seeds with the min–max range. A verdict (improved, held, degraded,
 collapsed; a paper claim met or not met) is stated only when every seed agrees; otherwise it is
 `mixed`, with the per-seed values. A mode with no run directory is reported as "not run"; one
-without a readable `final_eval.json` as "incomplete" (its numbers come from the metrics alone).
+without `final_eval.json` as "incomplete" (its numbers come from the metrics alone). An unreadable
+or malformed `final_eval.json` makes its run incomplete too, and the problem is listed under the
+table (report.md and the command line); a bad line in a `metrics.jsonl` stops the report with an error
+naming the file and the line (`metrics_log.read_metrics`).
 
 KV columns describe the *training rollouts* (what Sparse-RL's "KV storage saved" measures): the
 mean of `kv_kept_frac` and the largest `kv_peak_bytes` / `kv_dense_bytes` over the steps.
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .metrics_log import METRICS_FILE, read_metrics
 
 MIB = 1024 ** 2
 # Thresholds of the verdicts, stated in the report too.
@@ -40,29 +45,44 @@ MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean
 DASH = "—"
 # A DistillSparse run's mode label: the preset alone would not tell it from the same mode without.
 DISTILL_SUFFIX = " + DistillSparse"
+FINAL_EVAL = "final_eval.json"
+# The numbers the report takes from final_eval.json: summary key -> where they are in the file.
+FINAL_EVAL_FIELDS = {"acc_dense": ("dense", "accuracy"), "exact_dense": ("dense", "walk_exact"),
+                     "acc_sparse": ("sparse", "accuracy"), "exact_sparse": ("sparse", "walk_exact"),
+                     "kv_kept": ("sparse", "kv", "kept_token_frac"), "rollout_total": ("rollout_seconds",)}
 
 
 # ---------------------------------------------------------------------------------- loading
-def _read_json(path: Path) -> dict | None:
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; a ValueError naming the file and what is wrong otherwise."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from error
+    except ValueError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
-def read_records(path: Path) -> list[dict]:
-    """The step records of a metrics file, sorted; a torn last line (a killed run) is skipped."""
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "step" in record:
-                records.append(record)
-    return sorted(records, key=lambda r: r["step"])
+def read_final_eval(path: Path) -> dict[str, float | None]:
+    """The numbers of `FINAL_EVAL_FIELDS` in a run's final_eval.json, None where absent; a ValueError
+    naming the file and what is wrong when it cannot be read or a field is not a number."""
+    data = _read_json_object(path)
+    numbers = {}
+    for key, where in FINAL_EVAL_FIELDS.items():
+        value = data
+        for depth, name in enumerate(where):
+            if value is None:
+                break
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: {'.'.join(where[:depth])} is {value!r}, not a JSON object")
+            value = value.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{path}: {'.'.join(where)} is {value!r}, not a number")
+        numbers[key] = value
+    return numbers
 
 
 def series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -78,25 +98,27 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     """Everything the tables, verdicts and plots need about one run; missing values are None."""
     if not run_dir.is_dir():
         return {"mode": mode, "status": "not run", "steps": [], "evals": []}
-    records = read_records(run_dir / "metrics.jsonl")
-    final = _read_json(run_dir / "final_eval.json") or {}
+    records = read_metrics(run_dir / METRICS_FILE)
+    final, problem = _final_eval(run_dir / FINAL_EVAL)
     steps = [r for r in records if r["step"] >= 1 and "reward_mean" in r]  # step 0 is eval-only
     evals = [r for r in records if "eval_accuracy_dense" in r]
     start = next((r for r in records if r["step"] == 0), {})
-    s = {"mode": mode, "status": "done" if final else "incomplete", "steps": steps, "evals": evals}
+    s = {"mode": mode, "status": "done" if final else "incomplete", "problem": problem, "steps": steps,
+         "evals": evals}
     last_eval = evals[-1] if evals and evals[-1]["step"] > 0 else {}
     for kind in ("dense", "sparse"):
-        fin = final.get(kind) or {}
-        s[f"acc_{kind}"] = fin.get("accuracy", last_eval.get(f"eval_accuracy_{kind}"))
-        s[f"exact_{kind}"] = fin.get("walk_exact", last_eval.get(f"eval_walk_exact_{kind}"))
+        for key, logged in ((f"acc_{kind}", f"eval_accuracy_{kind}"), (f"exact_{kind}", f"eval_walk_exact_{kind}")):
+            s[key] = final[key] if final.get(key) is not None else last_eval.get(logged)
         s[f"acc0_{kind}"] = start.get(f"eval_accuracy_{kind}")
     kept = _mean(series(steps, "kv_kept_frac")[1])
-    kv_eval = (final.get("sparse") or {}).get("kv") or {}
-    s["kv_saved"] = None if kept is None and not kv_eval else 1.0 - (kept if kept is not None else kv_eval["kept_token_frac"])
+    if kept is None:
+        kept = final.get("kv_kept")
+    s["kv_saved"] = None if kept is None else 1.0 - kept
     peaks, denses = series(steps, "kv_peak_bytes")[1], series(steps, "kv_dense_bytes")[1]
     s["kv_peak"] = max(peaks) / MIB if peaks else None
     s["kv_dense"] = max(denses) / MIB if denses else None
-    s["rollout_total"] = final.get("rollout_seconds", sum(series(steps, "rollout_s")[1]) if steps else None)
+    s["rollout_total"] = final["rollout_total"] if final.get("rollout_total") is not None else \
+        (sum(series(steps, "rollout_s")[1]) if steps else None)
     rewards = series(steps, "reward_mean")[1]
     s["final_reward"] = _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):])  # the last 10% of steps
     s["rejected_tokens"] = _mean(series(steps, "rejected_token_frac")[1])
@@ -114,6 +136,20 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     return s
 
 
+def _final_eval(path: Path) -> tuple[dict[str, float | None], str | None]:
+    """(the run's final_eval numbers, None) when it has a readable one; ({}, None) when it has none
+    yet; ({}, what is wrong) when it cannot be read: the run then counts as incomplete and the
+    report states the problem, rather than the whole report failing over one run."""
+    if not path.exists():
+        return {}, None
+    try:
+        return read_final_eval(path), None
+    except ValueError as error:
+        # `sparserl compare` skips a run that has the file, so only deleting it redoes the evaluation.
+        return {}, (f"{error}; the run is reported as incomplete (held-out accuracy from its last in-training "
+                    "evaluation): delete the file and rerun `sparserl compare` to redo its final evaluation")
+
+
 def label(mode: str, run_dirs: list[Path], config: dict) -> str:
     """The mode's name in the report: its preset, with `DISTILL_SUFFIX` when its runs trained the
     sampler adapter (from the first run's saved config.yaml, else the comparison's config)."""
@@ -125,7 +161,10 @@ def label(mode: str, run_dirs: list[Path], config: dict) -> str:
 def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
     """(compare.json, {label: [one summary per seed]}), labels as `label` gives them."""
     compare_dir = Path(compare_dir)
-    meta = _read_json(compare_dir / "compare.json") or {}
+    manifest = compare_dir / "compare.json"
+    if not manifest.is_file():
+        raise ValueError(f"{compare_dir} holds no compare.json; pass the --out directory of a `sparserl compare` run")
+    meta = _read_json_object(manifest)
     seeds = meta.get("seeds") or [0]
     runs = {}
     for mode in meta.get("modes", []):
@@ -180,7 +219,9 @@ def _markdown(header, rows: list[list[str]]) -> str:
 
 
 def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
-    """The regime descriptors of SPEC §6, from the sparse runs' step 0 (the start model)."""
+    """What sets the sparse regime of the comparison apart, over the sparse runs: at step 0 (the start
+    model) the dense − sparse greedy-accuracy gap, the veto rate and the α tail; over training the
+    peak KV bytes against dense, the KV tokens saved and the attended share (README, "Regimes")."""
     sparse = [s for mode, seeds in runs.items() if mode != "dense" for s in seeds if s["status"] != "not run"]
     gaps = [s["acc0_dense"] - s["acc0_sparse"] for s in sparse
             if s.get("acc0_dense") is not None and s.get("acc0_sparse") is not None]
@@ -214,12 +255,16 @@ def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
 
 
 def paper_table(compare_dir: Path) -> str:
-    """The regime line and the paper-style table (markdown), one row per mode."""
+    """The regime line and the paper-style table (markdown), one row per mode, then the problems met
+    reading the runs, if any (so the command line shows them as well as report.md)."""
     meta, runs = load(compare_dir)
     seeds = meta.get("seeds") or [0]
     table = _markdown(TABLE_HEADER, [_row(mode, s) for mode, s in runs.items()])
+    problems = [f"- {mode}, seed {seed}: {s['problem']}" for mode, per_seed in runs.items()
+                for seed, s in zip(seeds, per_seed) if s.get("problem")]
     return f"{regime_line(runs, meta.get('config') or {})}\nSeeds: {', '.join(map(str, seeds))} " \
-           f"(cells: mean (min–max)).\n\n{table}"
+           f"(cells: mean (min–max)).\n\n{table}" + \
+           ("\n\nProblems reading the runs:\n\n" + "\n".join(problems) if problems else "")
 
 
 # ---------------------------------------------------------------------------------- verdicts
@@ -306,12 +351,18 @@ def _mismatch_table(runs: dict[str, list[dict]]) -> str:
     return _markdown(header, rows) if rows else "_No training steps were logged._"
 
 
+def _length_bucket(key: str) -> str:
+    """`flagged_veto_frac_len_<lo>_<hi>` (lo <= length < hi) as the inclusive range the α table uses too."""
+    lo, hi = key.split("_")[-2:]
+    return f"len ≥ {lo}" if hi == "inf" else f"len {lo}–{int(hi) - 1}"
+
+
 def _length_table(runs: dict[str, list[dict]]) -> str:
     keys = {k for seeds in runs.values() for s in seeds for k in s.get("veto_by_len", {})}
-    ordered = sorted(keys, key=lambda k: int(k.split("_")[4]))  # flagged_veto_frac_len_<lo>_<hi>
+    ordered = sorted(keys, key=lambda k: int(k.split("_")[-2]))
     if not ordered:
         return "_No rejection-by-length metrics were logged._"
-    header = ["Mode"] + ["len " + "–".join(k.split("_")[4:6]).replace("inf", "∞") for k in ordered]
+    header = ["Mode"] + [_length_bucket(k) for k in ordered]
     rows = [[mode] + [cell([s.get("veto_by_len", {}).get(k) for s in seeds], ".3f") for k in ordered]
             for mode, seeds in runs.items() if any(s["steps"] for s in seeds)]
     return _markdown(header, rows)
@@ -343,7 +394,11 @@ def write_report(compare_dir: Path) -> Path:
         "## Mismatch metrics (over training)", "",
         "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
         _mismatch_table(runs), "",
-        "## Sequences flagged by the veto, by response length", "", _length_table(runs), "",
+        "## Sequences flagged by the veto, by response length", "",
+        "Each cell: the fraction of the sequences whose response length (in tokens) is in that bucket that the "
+        "veto flags, mean over steps; the buckets are the quarters of the response bound. A bucket no sequence "
+        "reached in a step is left out of that step's mean.", "",
+        _length_table(runs), "",
         *alpha_section(runs, c),
         "## Plots", "", *[f"![{name}]({name})\n" for name in plots],
         "## Verdicts", "",

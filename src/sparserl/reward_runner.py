@@ -12,8 +12,11 @@ and scores 0 there, as in TRL.
 
 Each function scores the whole batch in one call, in a forked worker process. A call that raises
 or runs past `timeout_s` is killed (a hung sympy call cannot hold the GIL or the process) and the
-batch is scored again one completion per process, so that only the culprits score 0; they are
-counted as failures or timeouts. If more than `max_failure_frac` of the completions fail in one
+batch is scored again one completion per process, so that only the culprits score 0. Nothing is
+silent: the failed batch is logged and counted (`reward_<name>_batch_failures`), and every
+completion that still fails or times out is logged and counted, in all (`reward_failures`,
+`reward_timeouts`) and per function (`reward_<name>_failures`, `reward_<name>_timeouts`); a worker
+that dies counts as a failure. If more than `max_failure_frac` of the completions fail in one
 function, the step stops with an error naming the function and its first error: training on
 silent zeros is worse than stopping.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import multiprocessing
 import os
@@ -32,10 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .tasks.base import Example, reward_columns
+
 # The char tokenizer's Rust pool must not be running when a worker forks.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RewardFn = Callable[..., list]
+
+logger = logging.getLogger(__name__)
 
 
 class RewardError(ValueError):
@@ -122,7 +130,11 @@ def _scores(result: list, count: int) -> list[float]:
 
 
 class RewardRunner:
-    """The weighted sum of reward functions, with per-function means and failure counts."""
+    """The weighted sum of reward functions, with per-function means and failure counts.
+
+    The only reward guard in the package: tasks and user functions are plain functions, and every
+    score, in training and in evaluation, comes through here.
+    """
 
     def __init__(self, functions: list[RewardFunction], timeout_s: float = 10.0, max_failure_frac: float = 0.5):
         if not functions:
@@ -130,8 +142,9 @@ class RewardRunner:
         self.functions = functions
         self.timeout_s = timeout_s
         self.max_failure_frac = max_failure_frac
-        self.counts = {"reward_failures": 0, "reward_timeouts": 0}
+        self.counts: dict[str, float] = {}
         self.means: dict[str, float] = {}
+        self._reset_counts()
 
     @classmethod
     def from_spec(cls, spec: str, weights: str, task_reward: RewardFn, **options) -> RewardRunner:
@@ -144,6 +157,17 @@ class RewardRunner:
             fn = task_reward if name == "task" else load_reward_function(name)
             functions.append(RewardFunction("task" if name == "task" else name.rpartition(":")[2], fn, weight))
         return cls(functions, **options)
+
+    @classmethod
+    def for_task(cls, task, **options) -> RewardRunner:
+        """The task's own reward alone: what evaluation scores with."""
+        return cls([RewardFunction("task", task.reward, 1.0)], **options)
+
+    def score_examples(self, examples: list[Example], completions: list[str], completion_ids: list[list[int]],
+                       repeat: int = 1) -> list[float]:
+        """Scores of `completions`, `repeat` consecutive ones per example, with the examples' columns."""
+        return self(prompts=[e.prompt for e in examples for _ in range(repeat)], completions=completions,
+                    completion_ids=completion_ids, **reward_columns(examples, repeat))
 
     def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                  **columns: Any) -> list[float]:
@@ -159,8 +183,11 @@ class RewardRunner:
         count = len(kwargs["completions"])
         try:
             return _scores(call_in_worker(function.fn, kwargs, self.timeout_s), count)
-        except (TimeoutError, RuntimeError):
-            pass  # find the culprits: one completion per worker
+        except (TimeoutError, RuntimeError) as error:
+            # Said once per batch: the per-row retry below then counts and names the culprits.
+            logger.warning("reward %s: the batch of %d failed (%s); scoring one completion per worker",
+                           function.name, count, error)
+            self._count(function.name, "batch_failures", 1)
         scores, failures, timeouts, first = [], 0, 0, None
         for i in range(count):
             row = {k: v[i:i + 1] if isinstance(v, list) and len(v) == count else v for k, v in kwargs.items()}
@@ -173,8 +200,12 @@ class RewardRunner:
                 failures += 1
                 first = first or str(error)
                 scores.append(0.0)
-        self.counts["reward_failures"] += failures
-        self.counts["reward_timeouts"] += timeouts
+        self._count(function.name, "failures", failures)
+        self._count(function.name, "timeouts", timeouts)
+        if failures or timeouts:
+            logger.warning("reward %s: %d of %d completions failed and %d timed out (after %g s); they score 0%s",
+                           function.name, failures, count, timeouts, self.timeout_s,
+                           f"; first error: {first}" if first else "")
         if failures + timeouts > self.max_failure_frac * count:
             raise RewardError(
                 f"reward {function.name} failed on {failures} and timed out (after {self.timeout_s:g} s) on "
@@ -182,8 +213,20 @@ class RewardRunner:
                 + f". Fix the function, or raise --max-reward-failure-frac (now {self.max_failure_frac})")
         return scores
 
-    def pop_counts(self) -> dict[str, float]:
-        """Failures and timeouts since the last pop, and each function's mean score on the last batch."""
-        counts = {**self.counts, **{f"reward_{name}_mean": mean for name, mean in self.means.items()}}
+    def _count(self, name: str, kind: str, amount: int) -> None:
+        self.counts[f"reward_{name}_{kind}"] = self.counts.get(f"reward_{name}_{kind}", 0) + amount
+        if kind != "batch_failures":
+            self.counts[f"reward_{kind}"] += amount
+
+    def _reset_counts(self) -> None:
         self.counts = {"reward_failures": 0, "reward_timeouts": 0}
+        for function in self.functions:
+            for kind in ("failures", "timeouts", "batch_failures"):
+                self.counts[f"reward_{function.name}_{kind}"] = 0
+
+    def pop_counts(self) -> dict[str, float]:
+        """Failures and timeouts since the last pop (in all and per function, with the batches that
+        had to be rescored row by row), and each function's mean score on the last batch."""
+        counts = {**self.counts, **{f"reward_{name}_mean": mean for name, mean in self.means.items()}}
+        self._reset_counts()
         return counts

@@ -1,8 +1,9 @@
 """A step's rollouts: the sampler, fixed shards of prompt groups, and in-process sampling.
 
 The `Sampler` is the rollout engine (dense, or with its sparsity and budget schedule) plus
-DistillSparse's adapter, switched on while it samples; it holds no optimizer and takes an integer
-seed, which makes it the unit a Ray worker wraps (`sparserl.ray_rollouts`).
+DistillSparse's adapter, switched on while it samples. It only samples (the adapter's training
+and optimizer belong to the trainer; a Ray worker builds its copy of the adapter without one) and
+takes an integer seed, which makes it the unit a Ray worker wraps (`sparserl.ray_rollouts`).
 
 A step's prompt groups are split into `rollout_shards` fixed shards of whole groups; each shard is
 sampled as one batch with its own seed (`plan_shards`). Whether the shards run here one after the

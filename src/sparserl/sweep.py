@@ -3,7 +3,8 @@
 For every budget of a grid it measures, on the same held-out prompts, greedy accuracy and exact
 walks under sparse inference (against dense), the peak KV bytes as a fraction of dense, and, on
 sampled rollouts scored by a dense recompute, what Sparse-RL's default filters reject (veto and
-band rates) and the 1% quantile of ξ = π_old / π_sparse. It then names the regimes of SPEC §6:
+band rates) and the 1% quantile of ξ = π_old / π_sparse. It then names the two regimes of the
+built-in experiment (README, "Regimes"):
 
 - paper regime: the smallest budget whose sparse greedy accuracy is within `paper_gap` of dense
   and whose veto rate is at most `paper_veto`;
@@ -25,11 +26,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .corrections import CorrectionConfig, compute_corrections
-from .evaluate import complete, evaluate_policy, held_out
+from .evaluate import complete, evaluate_policy, held_out, task_rewards
 from .models import sampling_generator
 from .recompute import batched_logprobs
 from .rollout.engine import KVCompression, sparsity_from_config
-from .tasks.base import reward_columns
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
         banded += unvetoed - float(result.keep_mask.sum())
         quantiles.append(result.metrics["xi_q01"])
     return {"veto_frac": vetoed / max(rows, 1), "band_frac": banded / max(alive, 1.0),
-            "xi_q01": min(quantiles), "sampled_rollouts": int(rows), "_texts": done.texts}
+            "xi_q01": min(quantiles), "sampled_rollouts": int(rows), "_completions": done}
 
 
 def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: int,
@@ -67,15 +67,17 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
     setup = held_out(config, n)
     model, tokenizer, task, examples, bound = (setup.model, setup.tokenizer, setup.task, setup.examples,
                                                setup.max_new_tokens)
-    dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed)
+    rewards = task_rewards(config, task)
+    dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed, rewards=rewards)
     rows = []
     for budget in tqdm(budgets, desc="sweep", unit="budget"):
         compression = sparsity_from_config(dataclasses.replace(config.rollout, kv_budget=budget))
-        sparse = evaluate_policy(model, tokenizer, task, examples, bound, compression, 0, 1.0, config.train.seed)
+        sparse = evaluate_policy(model, tokenizer, task, examples, bound, compression, 0, 1.0, config.train.seed,
+                                 rewards=rewards)
         mismatch = sampled_mismatch(model, tokenizer, examples[:sample_prompts], bound, compression, samples,
                                     config.rollout.temperature, config.train.seed)
-        texts = mismatch.pop("_texts")
-        hits = task.reward(texts, **reward_columns(examples[:sample_prompts], samples))
+        sampled = mismatch.pop("_completions")
+        hits = rewards.score_examples(examples[:sample_prompts], sampled.texts, sampled.ids, samples)
         kv = sparse["kv"]
         rows.append({"budget": budget, "accuracy_sparse": sparse["accuracy"],
                      "walk_exact_sparse": sparse.get("walk_exact"), "gap": dense["accuracy"] - sparse["accuracy"],

@@ -24,7 +24,7 @@ from .config import ExperimentConfig, calibration_budgets
 from .distill_sparse import ADAPTER_DIR, SamplerAdapter, distill_config, sampler_context
 from .corrections import CorrectionConfig, compute_corrections, rejection_by_length
 from .presets import load_preset
-from .evaluate import decode_responses, greedy_scores
+from .evaluate import decode_responses, greedy_scores, response_ids, task_rewards
 from .grpo import group_advantages, ppo_loss, token_coefficients
 from .metrics_log import MetricsLogger
 from .mismatch import bin_tails, rollout_alpha_metrics
@@ -35,7 +35,7 @@ from .rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsit
 from .sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
 from .rollout.schedule import AdaptiveBudget, BinnedBudget
 from .run_dir import Resume, StopRequest, open_run_dir
-from .tasks.base import reward_columns, walk_metrics
+from .tasks.base import walk_metrics
 from .tasks.registry import max_new_tokens, task_from_config
 
 LENGTH_BUCKETS = 4
@@ -92,6 +92,7 @@ class GRPOTrainer:
         self.reward = RewardRunner.from_spec(config.train.reward_funcs, config.train.reward_weights, self.task.reward,
                                              timeout_s=config.train.reward_timeout,
                                              max_failure_frac=config.train.max_reward_failure_frac)
+        self.eval_rewards = task_rewards(config, self.task)
         self.adapter = None
         if config.train.distill_sparse:
             self.adapter = SamplerAdapter(self.model, distill_config(config.train))
@@ -169,8 +170,10 @@ class GRPOTrainer:
         for inference, compression in inferences.items():
             with self.sampler() if compression else contextlib.nullcontext():
                 scores = greedy_scores(self.model, self.tokenizer, self.task, self.eval_examples,
-                                       self.max_new_tokens, compression=compression)
+                                       self.max_new_tokens, compression=compression, rewards=self.eval_rewards)
             result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
+        counts = self.eval_rewards.pop_counts()
+        result.update({f"eval_{name}": counts[name] for name in ("reward_failures", "reward_timeouts")})
         return result
 
     def sampler(self):
@@ -198,9 +201,7 @@ class GRPOTrainer:
         # The minibatch shuffle continues shard 0's sampling generator (as it did before rollouts were sharded).
         generator = torch.Generator(self.device).set_state(rollouts.generator_state)
         texts = decode_responses(self.tokenizer, batch)
-        completion_ids = [row[:length].tolist() for row, length in zip(batch.response_ids, batch.response_lengths)]
-        rewards = torch.tensor(self.reward(prompts=[e.prompt for e in examples for _ in range(group)], completions=texts,
-                                           completion_ids=completion_ids, **reward_columns(examples, group)),
+        rewards = torch.tensor(self.reward.score_examples(examples, texts, response_ids(batch), group),
                                dtype=torch.float32, device=self.device)
 
         recompute_started = time.perf_counter()

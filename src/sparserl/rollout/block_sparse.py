@@ -1,4 +1,4 @@
-"""Block-sparse attention rollouts (Sparrow's own sparsity, SPEC §4): full KV kept, pages attended.
+"""Block-sparse attention rollouts (Sparrow's own sparsity): full KV kept, pages attended.
 
 The cache keeps every token (in the dense cache a slot is a column). A page is `page_size`
 consecutive slots, and its centroid is the mean of its real keys. At each decode step a sparse

@@ -37,7 +37,8 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class KVCompression:
-    """Sparse-rollout settings (SPEC §2): budget B, observation window w, interval Δ."""
+    """Sparse-rollout settings: budget B, observation window w, interval Δ (a cache past B is compressed
+    back to B every Δ decode steps, always keeping the w most recent tokens)."""
 
     policy: str = "rkv"
     budget: int = 32

@@ -3,8 +3,8 @@
 Each full-attention layer holds its keys and values in buffers `[N, Hkv, capacity, D]`. A slot
 also records the column it came from (its index in the left-padded prompt+response layout) and
 whether it holds a real token; that is all the mask needs, since a slot is visible to every later
-query. Compression (`compress`) gathers the w most recent real slots plus the B - w best-scored
-others to the front of the buffer, so the buffer never grows past max(prompt, B) + interval.
+query. A compression (the engine picks the slots, `BufferLayer.keep` moves them) gathers the w
+most recent real slots plus the B - w best-scored others to the front of the buffer, so the buffer never grows past max(prompt, B) + interval.
 
 With no compression policy the same class is the dense cache: one code path for both, which is
 what makes a sparse rollout with a huge budget bitwise the dense one. Block-sparse attention reads
@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
-
-NEG_INF = float("-inf")
 
 
 class BufferLayer(CacheLayerMixin):

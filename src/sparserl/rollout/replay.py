@@ -3,9 +3,9 @@
 The engine records, per compression and per layer, which columns the cache held afterwards
 (`EvictionEvent`). A query at column j therefore saw the columns held after the last compression
 before j, plus every column fed since that compression, plus itself. `replay_masks` turns the
-record into per-layer boolean masks `[N, Hs, S, S]`, and `replay_logprobs` runs the model once
-under them, reproducing the sampler's log-probs (to float32 rounding) with gradients available,
-which DistillSparse trains through. A block-sparse rollout records instead the pages each decode
+record into per-layer boolean masks `[N, Hs, S, S]`, and `replay_attention` installs them so that
+one forward of the model reproduces the sampler's log-probs (to float32 rounding) with gradients
+available, which DistillSparse trains through and α rebuilds the sampler's distributions with. A block-sparse rollout records instead the pages each decode
 query attended (`BlockSelections`), which narrow those query rows of the dense causal mask.
 """
 
@@ -15,7 +15,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..recompute import response_logprobs
 from .attention import masked_attention
 from .block_sparse import BlockSelections
 from .engine import RolloutBatch
@@ -80,15 +79,3 @@ def replay_attention(model, batch: RolloutBatch, rows: slice | torch.Tensor | No
     masks = replay_masks(batch.attention_mask[rows], events, config.num_hidden_layers, windows, blocks)
     with masked_attention(model, _ReplayAttention(masks)):
         yield
-
-
-def replay_logprobs(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
-    """Sparse-sampler log-probs `[n, T]` of `batch`'s responses by one masked forward.
-
-    Gradients flow if enabled by the caller. `rows` selects a subset (micro-batching).
-    """
-    rows = slice(None) if rows is None else rows
-    with replay_attention(model, batch, rows):
-        logprobs, _ = response_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                                        batch.prompt_ids.shape[1])
-    return logprobs

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..rewards import SafeReward, completion_text, safe_reward
+from ..rewards import completion_text
 from .base import Example
 from .math_jsonl import SPLITS, seeded_sample
 
@@ -46,7 +46,6 @@ class ReasoningGymTask:
         config: dict[str, Any] | None = None,
         name: str | None = None,
         data_seed: int = 0,
-        timeout_s: float = 5.0,
     ) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
@@ -67,7 +66,6 @@ class ReasoningGymTask:
         self.data_seed = data_seed
         self._datasets: dict[str, Any] = {}
         self._pools: dict[str, list[Example]] = {}
-        self.reward_guard: SafeReward = safe_reward(self._score, timeout_s=timeout_s)
         # Fail on a bad config now, not at the first training step.
         self._dataset("train")
 
@@ -106,7 +104,7 @@ class ReasoningGymTask:
         rng = random.Random(f"{self.name}/{split}/{seed}")
         return seeded_sample(self._pool(split), count, rng)
 
-    def _score(self, completions: list[Any], **kwargs: Any) -> list[float]:
+    def reward(self, completions: list[Any], **kwargs: Any) -> list[float]:
         from reasoning_gym.utils import extract_answer
 
         scorer = self._dataset("train")  # score_answer is per dataset, not per item
@@ -114,6 +112,3 @@ class ReasoningGymTask:
             float(scorer.score_answer(extract_answer(completion_text(c)), extra["entry"]))
             for c, extra in zip(completions, kwargs["extra"], strict=True)
         ]
-
-    def reward(self, completions: list[str], **kwargs: Any) -> list[float]:
-        return self.reward_guard(completions, **kwargs)

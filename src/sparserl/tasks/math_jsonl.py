@@ -10,7 +10,8 @@ The prompt shown to the model is `template.format(prompt=...)`.
 Split: the records are shuffled once with a fixed seed (`split_seed`, not the `examples` seed,
 so the split never moves), and the last `test_fraction` of them (at least 1) is the "test"
 split, the rest "train". `examples(count, seed, split)` draws a seeded sample from that split
-(see `seeded_sample`). Completions are graded by `math_verify_reward` under `safe_reward`.
+(see `seeded_sample`). Completions are graded by `math_verify_reward`, a plain function: the
+trainer and the evaluators call it through `RewardRunner`, which bounds its time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..rewards import SafeReward, math_verify_reward, safe_reward
+from ..rewards import math_verify_reward
 from .base import Example
 
 T = TypeVar("T")
@@ -60,7 +61,6 @@ class MathJsonlTask:
         name: str = "math_jsonl",
         test_fraction: float = 0.1,
         split_seed: int = 0,
-        timeout_s: float = 5.0,
     ) -> None:
         self.path = Path(path)
         self.prompt_key = prompt_key
@@ -86,11 +86,10 @@ class MathJsonlTask:
             "train": [records[i] for i in order[:-n_test]],
             "test": [records[i] for i in order[-n_test:]],
         }
-        self.reward_guard: SafeReward = safe_reward(math_verify_reward, timeout_s=timeout_s)
 
     def _load(self) -> list[Example]:
         if not self.path.is_file():
-            raise DataError(f"{self.path}: no such file; set task.path")
+            raise DataError(f"{self.path}: no such file; set --data-path (data_path in a config's task section)")
         records = []
         with self.path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
@@ -119,7 +118,7 @@ class MathJsonlTask:
         if key not in obj:
             present = ", ".join(map(str, obj)) or "none"
             raise DataError(f"{where}: missing key {key!r} (keys present: {present}); "
-                            f"set task.{option}")
+                            f"set --{option.replace('_', '-')} (task.{option} in a config file)")
         value = obj[key]
         # bool is an int in Python, but `true` is never a math answer.
         if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -138,9 +137,5 @@ class MathJsonlTask:
         rng = random.Random(f"{self.name}/{split}/{seed}")
         return seeded_sample(self._splits[split], count, rng)
 
-    def split_size(self, split: str) -> int:
-        """How many distinct records the split holds."""
-        return len(self._splits[split])
-
     def reward(self, completions: list[str], **kwargs: Any) -> list[float]:
-        return self.reward_guard(completions, **kwargs)
+        return math_verify_reward(completions, **kwargs)

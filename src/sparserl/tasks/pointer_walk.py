@@ -97,10 +97,6 @@ class PointerWalkTask:
         # A little slack past the longest correct response, so a wandering chain is cut rather than run forever.
         return self.max_response_chars + 6
 
-    @property
-    def prompt_chars(self) -> int:
-        return 2 * self.letters + 4
-
 
 def hop_range(letters: int) -> tuple[int, int]:
     """Hops for a cycle of `letters`: at least a third of it, never a full lap."""
