@@ -38,7 +38,7 @@ PY
 PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$MODEL" "$DEVICE" $LENGTHS <<'PY'
 import sys, time, torch
 from common import compression_interval
-from sparserl.models import load_policy
+from sparserl.model.loading import load_policy
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 model_dir, device, lengths = sys.argv[1] or None, sys.argv[2], [int(n) for n in sys.argv[3:]]
 model, tokenizer = load_policy(model_dir, torch.bfloat16, device)

@@ -34,9 +34,9 @@ import ray
 import torch
 from common import contention_probe
 
-from sparserl.config import load_config
-from sparserl.ray_rollouts import arrays_from_tensors, tensors_from_arrays
-from sparserl.trainer import GRPOTrainer
+from sparserl.config.schema import load_config
+from sparserl.rollout.ray_backend import arrays_from_tensors, tensors_from_arrays
+from sparserl.train.trainer import GRPOTrainer
 
 COLUMNS = ("step_s", "rollout_s", "tokens_per_s", "weight_push_s", "weight_load_s", "rollout_transfer_s")
 

@@ -17,7 +17,7 @@ a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS dis
   min_new_tokens = max_new_tokens = L - 64, use_cache) as a peer for the dense engine.
 
 Models (random init with --seed, float32; we measure speed and memory, not quality):
-- builtin: `sparserl.models.builtin_model_config(97)` (0.6M parameters) with max_position_embeddings 8192;
+- builtin: `sparserl.model.loading.builtin_model_config(97)` (0.6M parameters) with max_position_embeddings 8192;
 - 30m: a Llama with hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1920, tied embeddings, vocab 97
   (the char tokenizer): 29.9M parameters.
 
@@ -53,7 +53,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from common import compression_interval, contention_probe
 
 PROMPT_LEN = 64
@@ -118,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_model(name: str, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sparserl.models import builtin_model_config
+    from sparserl.model.loading import builtin_model_config
     from sparserl.tasks.tokenizer import build_char_tokenizer
 
     vocab = len(build_char_tokenizer())
@@ -225,7 +224,7 @@ def warm_up(model, model_name: str, args, eos: int) -> None:
 
 
 def bench(args) -> list[dict]:
-    from sparserl.models import count_parameters
+    from sparserl.model.loading import count_parameters
 
     eos = eos_id()
     rows: list[dict] = []

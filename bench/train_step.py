@@ -26,7 +26,7 @@ samples now and then):
   tokenizer's EOS.)
 
 What each step contains:
-- ours (`sparserl.trainer.GRPOTrainer.train_step`): rollout (own KV-cache decode loop) -> decode +
+- ours (`sparserl.train.trainer.GRPOTrainer.train_step`): rollout (own KV-cache decode loop) -> decode +
   reward -> recompute (a no-grad forward for pi_old) -> update (forward with grad, backward, clip, AdamW).
 - TRL (`trl.GRPOTrainer`, timed from `on_step_begin` to `on_step_end`): `_generate_and_score_completions`
   (`model.generate`, decode, reward, advantages; with num_iterations=1 and steps_per_generation=1 TRL
@@ -51,7 +51,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from common import contention_probe
 
 
@@ -80,7 +79,7 @@ def prepare_model_dir(args, root: Path) -> Path:
         return Path(args.model).expanduser()
     from transformers import LlamaForCausalLM
 
-    from sparserl.models import builtin_model_config
+    from sparserl.model.loading import builtin_model_config
     from sparserl.tasks.tokenizer import build_char_tokenizer
 
     torch.manual_seed(args.seed)
@@ -97,8 +96,8 @@ class Ours:
     """Our trainer, built once; `step(k)` runs and times `GRPOTrainer.train_step(k)`."""
 
     def __init__(self, args, model_dir: Path, root: Path):
-        from sparserl.config import load_config
-        from sparserl.trainer import GRPOTrainer
+        from sparserl.config.schema import load_config
+        from sparserl.train.trainer import GRPOTrainer
 
         self.args = args
         config = load_config(None, {

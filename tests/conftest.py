@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from sparserl.models import builtin_model_config
+from sparserl.model.loading import builtin_model_config
 from sparserl.tasks.tokenizer import build_char_tokenizer
 
 torch.set_num_threads(1)
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory):
 def replay_logprobs(model, batch, rows=None) -> torch.Tensor:
     """Sparse-sampler log-probs `[n, T]` of `batch`'s responses, rebuilt by one forward under the
     replay masks: what every exact-replay test compares with the recorded ones."""
-    from sparserl.recompute import response_logprobs
+    from sparserl.model.forward import response_logprobs
     from sparserl.rollout.replay import replay_attention
 
     rows = slice(None) if rows is None else rows
@@ -56,7 +56,7 @@ def kill_part_way_then_resume(argv: list[str], out, steps: int, lines: int) -> i
     """Run `sparserl` with `argv` in a subprocess, SIGKILL it once its metrics hold `lines` records,
     then resume it in this process to `steps`. Returns the steps the killed run had logged."""
     from sparserl.cli import main
-    from sparserl.metrics_log import read_metrics
+    from sparserl.train.metrics import read_metrics
 
     process = subprocess.Popen([sys.executable, "-m", "sparserl.cli", *argv],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

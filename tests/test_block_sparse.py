@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from conftest import make_tiny_model, replay_logprobs
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from conftest import make_tiny_model, replay_logprobs
-from sparserl.recompute import response_logprobs
+from sparserl.model.forward import response_logprobs
 from sparserl.rollout.block_sparse import BlockSelector, BlockSparsity, PageCentroids, page_scores, select_pages
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig, sparsity_from_config
 from sparserl.rollout.kv_cache import build_cache
@@ -269,7 +269,7 @@ def test_hybrid_model_keeps_sliding_layers_dense(tiny):
 
 
 def test_sparsity_from_config():
-    from sparserl.config import load_config
+    from sparserl.config.schema import load_config
 
     block = sparsity_from_config(load_config(None, {"sparsity": "block", "kv_budget": 96, "block_page_size": 8,
                                                     "block_dense_layers": 1}).rollout)

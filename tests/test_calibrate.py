@@ -63,7 +63,7 @@ def test_adaptive_budget_rule_by_hand():
 
 
 def test_adaptive_training_logs_its_budgets_and_resumes_exactly(tiny_model_dir, tmp_path):
-    from sparserl.metrics_log import read_metrics
+    from sparserl.train.metrics import read_metrics
 
     def args(out, steps, *extra):
         return ["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", str(steps), "--mode",
@@ -85,7 +85,7 @@ def test_adaptive_training_logs_its_budgets_and_resumes_exactly(tiny_model_dir, 
 
 
 def test_recalibration_during_training_sets_the_schedule_and_resumes_exactly(tiny_model_dir, tmp_path):
-    from sparserl.metrics_log import read_metrics
+    from sparserl.train.metrics import read_metrics
 
     def args(out, steps, tau, *extra):
         return ["train", "--model", str(tiny_model_dir), "--out", str(out), "--steps", str(steps), "--mode",
@@ -111,5 +111,5 @@ def test_recalibration_during_training_sets_the_schedule_and_resumes_exactly(tin
     assert straight == resumed
     assert [r.get("recalibrated", 0) for r in straight] == [1, 0, 1, 0]
     with pytest.raises(ValueError, match="choose one"):
-        from sparserl.config import load_config
+        from sparserl.config.schema import load_config
         load_config(overrides={"mode": "naive-sparse", "recalibrate_every": 2, "kv_schedule": "adaptive"})

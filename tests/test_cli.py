@@ -14,9 +14,9 @@ from fractions import Fraction
 
 import pytest
 
-from sparserl import config as config_module
 from sparserl.cli import main
-from sparserl.evaluate import pass_at_k
+from sparserl.config import schema as config_module
+from sparserl.train.evaluation import pass_at_k
 
 MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "geo-rs", "k3-rs", "seq-mask-tis",
          "prefix-veto-tis", "sparrow")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from sparserl.cli import main
-from sparserl.report_plots import PLOTS
+from sparserl.report.plots import PLOTS
 
 
 def _args(model_dir, out, modes):

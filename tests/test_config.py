@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest
 
-from sparserl.config import ConfigError, ExperimentConfig, load_config, save_config
+from sparserl.config.schema import ConfigError, ExperimentConfig, load_config, save_config
 
 
 def _write(tmp_path, text: str, name: str = "config.yaml"):

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from sparserl.corrections import CorrectionConfig, Corrections, compute_corrections, rejection_by_length
+from sparserl.config.corrections import CorrectionConfig
+from sparserl.learner.corrections import Corrections, compute_corrections, rejection_by_length
 
 MODES = ("truncate", "clip", "mask", "none")
 LEVELS = ("token", "sequence", "geometric")
@@ -363,7 +364,7 @@ def test_the_shortest_quarter_of_responses_has_its_bucket():
 def test_every_response_length_falls_in_exactly_one_bucket():
     from types import SimpleNamespace
 
-    from sparserl.trainer import GRPOTrainer
+    from sparserl.train.trainer import GRPOTrainer
 
     for bound in (1, 2, 3, 7, 84):
         boundaries = GRPOTrainer._length_edges(SimpleNamespace(max_new_tokens=bound))

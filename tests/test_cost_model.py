@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tiny_model
-from sparserl.cost_model import CostModel, Rates, Shapes, cache_lengths
+
+from sparserl.rollout.cost_model import CostModel, Rates, Shapes, cache_lengths
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 from sparserl.rollout.schedule import BinnedBudget, FixedBudget
 
@@ -91,7 +91,7 @@ def test_a_constant_schedule_predicts_the_fixed_budget():
 
 
 def test_rates_are_probed_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    import sparserl.cost_model as cost_model
+    import sparserl.rollout.cost_model as cost_model
 
     calls = []
     monkeypatch.setattr(cost_model, "probe", lambda *args: calls.append(args) or RATES)

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from sparserl.cli import main
-from sparserl.config import ConfigError
-from sparserl.metrics_log import read_metrics
-from sparserl.models import resolve_device
+from sparserl.config.schema import ConfigError
+from sparserl.model.loading import resolve_device
+from sparserl.train.metrics import read_metrics
 
 
 def test_device_resolution():
@@ -53,7 +53,7 @@ def test_model_command_refuses_a_used_directory_and_unknown_names(tmp_path, caps
     (tmp_path / "taken" / "file").write_text("x")
     assert main(["model", "gemma-3-270m", "--out", str(tmp_path / "taken")]) == 2
     assert "not an empty directory" in capsys.readouterr().err
-    from sparserl.models import fetch_pretrained
+    from sparserl.model.loading import fetch_pretrained
 
     with pytest.raises(ConfigError, match="gemma-3-270m"):
         fetch_pretrained("llama-9000", tmp_path / "new")
@@ -64,6 +64,7 @@ def test_decode_loop_host_syncs(monkeypatch, eos, compression):
     """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout: none
     per decode step without EOS, one per step (the stop check) with it, a bounded few otherwise."""
     from conftest import make_tiny_model
+
     from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 
     model, tokenizer = make_tiny_model()
@@ -86,8 +87,8 @@ def test_decode_loop_host_syncs(monkeypatch, eos, compression):
 
 
 def test_the_dense_recompute_runs_sdpa_and_matches_eager_attention(tiny_model_dir, monkeypatch):
-    from sparserl.models import load_policy
-    from sparserl.recompute import response_logprobs
+    from sparserl.model.forward import response_logprobs
+    from sparserl.model.loading import load_policy
     from sparserl.rollout import attention
 
     model, _ = load_policy(str(tiny_model_dir))
@@ -122,7 +123,7 @@ def test_the_gpu_smoke_script_runs_as_a_cpu_dry_run(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_model_too_big_for_the_gpu_is_named_as_out_of_memory(tiny_model_dir):
-    from sparserl.models import ModelFilesError, load_policy
+    from sparserl.model.loading import ModelFilesError, load_policy
 
     # Cap this process's share of the GPU far below the tiny model: moving it there is a real CUDA OOM.
     torch.cuda.set_per_process_memory_fraction(1e-9)

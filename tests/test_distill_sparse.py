@@ -7,15 +7,16 @@ import copy
 
 import pytest
 import torch
+from conftest import kill_part_way_then_resume, make_tiny_model, replay_logprobs
 from safetensors.torch import load_file
 
-from conftest import kill_part_way_then_resume, make_tiny_model, replay_logprobs
 from sparserl.cli import main
-from sparserl.distill_sparse import DistillConfig, SamplerAdapter
-from sparserl.metrics_log import read_metrics
-from sparserl.recompute import batched_logprobs
+from sparserl.learner.distill import DistillConfig, DistillTrainer
+from sparserl.model.forward import batched_logprobs
+from sparserl.rollout.adapter import AdapterConfig, SamplerAdapter
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 from sparserl.tasks.pointer_walk import PointerWalkTask
+from sparserl.train.metrics import read_metrics
 
 COMPRESSION = KVCompression("rkv", budget=10, window=3, interval=3)
 
@@ -38,7 +39,7 @@ def _perturb(adapter: SamplerAdapter, scale=0.3):
 def test_an_adapter_at_zero_changes_nothing():
     model, tokenizer = make_tiny_model()
     plain = _sample(model, tokenizer)
-    adapter = SamplerAdapter(model, DistillConfig())
+    adapter = SamplerAdapter(model, AdapterConfig())
     assert all(float(p.detach().abs().sum()) == 0 for n, p in adapter.parameters.items() if "lora_B" in n)
     with adapter.active():
         adapted = _sample(model, tokenizer)
@@ -49,7 +50,7 @@ def test_an_adapter_at_zero_changes_nothing():
 def test_the_dense_side_never_sees_the_adapter_and_the_replay_does():
     model, tokenizer = make_tiny_model()
     untouched = copy.deepcopy(model)
-    adapter = SamplerAdapter(model, DistillConfig())
+    adapter = SamplerAdapter(model, AdapterConfig())
     _perturb(adapter)
     with adapter.active():
         batch = _sample(model, tokenizer)
@@ -67,11 +68,11 @@ def test_the_dense_side_never_sees_the_adapter_and_the_replay_does():
 def test_alpha_replays_the_adapted_sampler_when_its_distributions_are_not_kept(monkeypatch):
     """On a large vocabulary α comes from the replay: under the adapter it equals α from the
     adapted sampler's recorded distributions, and without it, it would measure another sampler."""
-    from sparserl.mismatch import rollout_acceptance
+    from sparserl.learner.alpha import rollout_acceptance
     from sparserl.rollout import engine as engine_module
 
     model, tokenizer = make_tiny_model()
-    adapter = SamplerAdapter(model, DistillConfig())
+    adapter = SamplerAdapter(model, AdapterConfig())
     _perturb(adapter)
     prompts = [tokenizer(e.prompt).input_ids for e in PointerWalkTask(8, min_letters=8).examples(6, seed=1)]
     sampling = SamplingConfig(30, 1.0, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
@@ -89,14 +90,15 @@ def test_alpha_replays_the_adapted_sampler_when_its_distributions_are_not_kept(m
 
 def test_a_distill_step_moves_only_the_adapter_toward_the_dense_policy():
     model, tokenizer = make_tiny_model()
-    adapter = SamplerAdapter(model, DistillConfig(lr=3e-3, kl_coef=1.0))
+    adapter = SamplerAdapter(model, AdapterConfig())
+    distill = DistillTrainer(adapter, DistillConfig(lr=3e-3, kl_coef=1.0))
     _perturb(adapter)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     kls = []
     for _ in range(4):
         with adapter.active():
             batch = _sample(model, tokenizer)
-        kls.append(adapter.train_step([batch], torch.zeros(len(batch)), micro_batch_size=64)["distill_kl"])
+        kls.append(distill.train_step([batch], torch.zeros(len(batch)), micro_batch_size=64)["distill_kl"])
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= set(adapter.parameters)
     assert kls[-1] < kls[0]  # zero advantages: only the KL term pulls, and it pulls the sampler to dense
@@ -143,7 +145,7 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run_adapter_included(tiny
 
 
 def test_distill_needs_sparse_rollouts():
-    from sparserl.config import ConfigError, load_config
+    from sparserl.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="needs sparse rollouts"):
         load_config(overrides={"mode": "dense", "distill_sparse": "true"})

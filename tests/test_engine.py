@@ -6,10 +6,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import make_tiny_model, replay_logprobs
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from conftest import make_tiny_model, replay_logprobs
-from sparserl.recompute import response_logprobs
+from sparserl.model.forward import response_logprobs
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 from sparserl.rollout.kv_policies import POLICIES
 from sparserl.tasks.pointer_walk import PointerWalkTask
@@ -184,7 +184,7 @@ def test_hybrid_model_compresses_only_full_attention_layers(tiny):
 
 
 def test_policy_parameters_reach_the_policies():
-    from sparserl.config import load_config
+    from sparserl.config.schema import load_config
 
     config = load_config(None, {"kv_policy": "rkv", "kv_lambda": 0.3, "kv_similarity_threshold": 0.8,
                                 "kv_kernel_size": 5, "kv_pooling": "mean"})
@@ -226,7 +226,7 @@ def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
 def test_acceptance_rate_of_a_recorded_rollout(tiny, policy):
     """A budget past every length makes the sampler the dense policy (α = 1 at every token); a small
     one moves it (some α < 1)."""
-    from sparserl.mismatch import rollout_acceptance
+    from sparserl.learner.alpha import rollout_acceptance
 
     model, tokenizer = tiny
     prompts = _prompts(tokenizer)
@@ -251,7 +251,7 @@ def test_acceptance_rate_of_a_recorded_rollout(tiny, policy):
 def test_a_large_vocabulary_gets_the_exact_alpha_from_the_replay(tiny, sparsity, monkeypatch):
     """Over FULL_DISTRIBUTION_VOCAB the engine keeps no [N, T, V] distributions but what replays the
     sampler, and α rebuilt from the replay equals α from the recorded distributions."""
-    from sparserl.mismatch import rollout_acceptance
+    from sparserl.learner.alpha import rollout_acceptance
     from sparserl.rollout import engine as engine_module
     from sparserl.rollout.block_sparse import BlockSparsity
 
@@ -276,7 +276,7 @@ def test_a_large_vocabulary_gets_the_exact_alpha_from_the_replay(tiny, sparsity,
 
 
 def test_alpha_refuses_a_batch_it_cannot_rebuild_the_sampler_of(tiny):
-    from sparserl.mismatch import rollout_acceptance
+    from sparserl.learner.alpha import rollout_acceptance
 
     model, tokenizer = tiny
     batch = RolloutEngine(model, KVCompression("rkv", budget=10, window=3, interval=3), record_evictions=False) \

@@ -26,7 +26,7 @@ def gemma_dir(tmp_path_factory):
 
 def test_one_sparse_rl_step_on_gemma3(gemma_dir, tmp_path):
     from sparserl.cli import main
-    from sparserl.metrics_log import read_metrics
+    from sparserl.train.metrics import read_metrics
 
     args = ["train", "--model", str(gemma_dir), "--out", str(tmp_path / "run"), "--steps", "1",
             "--mode", "sparse-rl", "--seed", "0", "--prompts-per-step", "2", "--group-size", "2",
@@ -40,9 +40,10 @@ def test_one_sparse_rl_step_on_gemma3(gemma_dir, tmp_path):
 
 
 def test_sparse_replay_on_gemma3(gemma_dir):
-    from sparserl.models import load_policy
-    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
     from conftest import replay_logprobs
+
+    from sparserl.model.loading import load_policy
+    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 
     model, tokenizer = load_policy(str(gemma_dir))
     prompts = [tokenizer("The capital of France is").input_ids, tokenizer("2 + 2 =").input_ids]

@@ -9,8 +9,9 @@ import statistics
 import pytest
 import torch
 
-from sparserl.corrections import CorrectionConfig, compute_corrections
-from sparserl.grpo import group_advantages, k3, ppo_loss, token_coefficients
+from sparserl.config.corrections import CorrectionConfig
+from sparserl.learner.corrections import compute_corrections
+from sparserl.learner.grpo import group_advantages, k3, ppo_loss, token_coefficients
 
 D = torch.float64
 

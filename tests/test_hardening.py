@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from sparserl.checkpoint import list_checkpoints
 from sparserl.cli import main
-from sparserl.config import load_config
-from sparserl.metrics_log import read_metrics
-from sparserl.run_dir import open_run_dir
+from sparserl.config.schema import load_config
+from sparserl.train.checkpoint import list_checkpoints
+from sparserl.train.metrics import read_metrics
+from sparserl.train.run_dir import open_run_dir
 
 FIXTURE = Path(__file__).parent / "data" / "math_small.jsonl"
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from sparserl.rollout.kv_policies import (
-    POLICIES, H2O, RKV, PyramidKV, ScoringInputs, SnapKV, StreamingLLM, select_slots,
+    H2O,
+    POLICIES,
+    RKV,
+    PyramidKV,
+    ScoringInputs,
+    SnapKV,
+    StreamingLLM,
+    select_slots,
 )
 
 torch.set_num_threads(1)

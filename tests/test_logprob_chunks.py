@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import make_tiny_model
-from sparserl import recompute
-from sparserl.recompute import positions_from_mask, response_logprobs
+
+from sparserl.model import forward
+from sparserl.model.forward import positions_from_mask, response_logprobs
 
 SCRIPT = Path(__file__).parent / "data" / "large_vocab_step.py"
 RSS_BOUND_MIB = 1500
@@ -31,8 +31,8 @@ def test_chunks_give_the_plain_values_and_gradients(monkeypatch):
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
     width = 12
-    monkeypatch.setattr(recompute, "LOGIT_CHUNK_BYTES", 5 * 97 * 4 * 3)  # 3 positions per chunk: 6 chunks
-    assert len(recompute.position_chunks(5, 18, 97)) == 6
+    monkeypatch.setattr(forward, "LOGIT_CHUNK_BYTES", 5 * 97 * 4 * 3)  # 3 positions per chunk: 6 chunks
+    assert len(forward.position_chunks(5, 18, 97)) == 6
     token, entropy = response_logprobs(model, ids, mask, width, with_entropy=True)
     (token.sum() + entropy.sum()).backward()
     chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

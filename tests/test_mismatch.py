@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparserl.mismatch import acceptance_rate, alpha_metrics, alpha_points
+from sparserl.learner.alpha import acceptance_rate, alpha_metrics, alpha_points
 
 
 def _brute_alpha(p: np.ndarray, q: np.ndarray) -> float:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sparserl.cli import main
-from sparserl.config import load_config
-from sparserl.presets import PRESETS, RECOMMENDED
+from sparserl.config.presets import PRESETS, RECOMMENDED
+from sparserl.config.schema import load_config
 
 OFF = dict(veto_threshold=None, veto_scope="sequence", band=None, seq_geo_bounds=None, seq_k3_max=None,
            seq_log_ratio_max=None, is_mode="none", is_cap=1.5, is_level="token", batch_normalize=False)

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from sparserl.cli import main
-from sparserl.config import load_config
-from sparserl.metrics_log import read_metrics
-from sparserl.ray_rollouts import arrays_from_tensors, tensors_from_arrays
-from sparserl.trainer import GRPOTrainer
+from sparserl.config.schema import load_config
+from sparserl.rollout.ray_backend import arrays_from_tensors, tensors_from_arrays
+from sparserl.train.metrics import read_metrics
+from sparserl.train.trainer import GRPOTrainer
 
 # Wall-clock figures differ between any two runs; everything else must be equal.
 TIMING_KEYS = {"rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac",
@@ -87,7 +87,7 @@ def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model
     finally:
         trainer.rollouts.close()
     assert held == [(True, 0), (True, 0)]
-    assert trainer.adapter.optimizer is not None  # the driver's adapter trains
+    assert trainer.distill.optimizer is not None  # the driver trains the adapter
 
 
 def _trainer_with_fault(settings: dict, fault) -> tuple[GRPOTrainer, threading.Thread]:

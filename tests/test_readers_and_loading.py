@@ -12,8 +12,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from sparserl.metrics_log import read_metrics
-from sparserl.models import ModelFilesError, load_policy
+from sparserl.model.loading import ModelFilesError, load_policy
+from sparserl.train.metrics import read_metrics
 
 
 # ---------------------------------------------------------------------------- metrics.jsonl

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from sparserl.report import cell, classify_trajectory, paper_table, write_report
-from sparserl.report_plots import PLOTS
+from sparserl.report.common import cell
+from sparserl.report.plots import PLOTS
+from sparserl.report.tables import classify_trajectory, paper_table, write_report
 
 MIB = 1024 ** 2
 
@@ -145,7 +146,7 @@ def test_classify_trajectory(start, final, label):
 
 
 def test_a_scheduled_mode_gets_its_budget_plot(tmp_path):
-    from sparserl.report_plots import SCHEDULE_PLOT
+    from sparserl.report.plots import SCHEDULE_PLOT
 
     out = _compare_dir(tmp_path)
     assert SCHEDULE_PLOT not in write_report(out).read_text() and not (out / SCHEDULE_PLOT).exists()
@@ -187,7 +188,7 @@ def _alpha_compare_dir(tmp_path):
 
 
 def test_alpha_tail_table_by_bin_with_bins_below_tau(tmp_path):
-    from sparserl.report_plots import ALPHA_PLOT
+    from sparserl.report.plots import ALPHA_PLOT
 
     out = _alpha_compare_dir(tmp_path)
     text = write_report(out).read_text()
@@ -214,7 +215,7 @@ def test_alpha_tail_table_by_bin_with_bins_below_tau(tmp_path):
 
 
 def test_a_report_without_alpha_has_no_alpha_section(tmp_path):
-    from sparserl.report_plots import ALPHA_PLOT
+    from sparserl.report.plots import ALPHA_PLOT
 
     out = _compare_dir(tmp_path)
     meta = json.loads((out / "compare.json").read_text())

@@ -15,11 +15,11 @@ import os
 import pytest
 
 from sparserl.cli import main
-from sparserl.metrics_log import read_metrics
-from sparserl.reward_runner import RewardRunner
+from sparserl.rewards.runner import RewardRunner
 from sparserl.tasks.base import reward_columns
 from sparserl.tasks.math_jsonl import MathJsonlTask
 from sparserl.tasks.registry import build_task
+from sparserl.train.metrics import read_metrics
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def half_file(tmp_path):
 @pytest.fixture
 def answers_point_five(monkeypatch):
     """Every completion answers 0.5; math-verify must still judge 0.5 equal to 1/2."""
-    monkeypatch.setattr("sparserl.rewards.extract_math_answer", lambda text: "0.5")
+    monkeypatch.setattr("sparserl.rewards.grading.extract_math_answer", lambda text: "0.5")
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def _hangs_on_some(completions, **kwargs):
 
 def test_every_lost_score_is_counted_per_function_and_in_all(caplog):
     runner = RewardRunner.from_spec("task", "", _dies_on_some, timeout_s=5.0, max_failure_frac=0.9)
-    with caplog.at_level("WARNING", logger="sparserl.reward_runner"):
+    with caplog.at_level("WARNING", logger="sparserl.rewards.runner"):
         scores = runner(prompts=["p"] * 3, completions=["ok", "die", "ok"], completion_ids=[[1]] * 3)
     assert scores == [1.0, 0.0, 1.0]
     counts = runner.pop_counts()

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from sparserl.cli import main
-from sparserl.metrics_log import read_metrics
-from sparserl.reward_runner import RewardError, RewardRunner, load_reward_function
+from sparserl.rewards.runner import RewardError, RewardRunner, load_reward_function
 from sparserl.tasks.base import Example, reward_columns
 from sparserl.tasks.math_jsonl import MathJsonlTask
+from sparserl.train.metrics import read_metrics
 
 DOC = Path(__file__).parent / "data" / "trl_doc_rewards.py"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparserl.rewards import boxed_answer, math_verify_reward
+from sparserl.rewards.grading import boxed_answer, math_verify_reward
 from sparserl.tasks.math_jsonl import DataError, MathJsonlTask
 from sparserl.tasks.registry import build_task
 

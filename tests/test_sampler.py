@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_model
 
 from sparserl.rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig
 from sparserl.rollout.kv_cache import KVStats
-from sparserl.sampler import LocalRollouts, Sampler, concat_rollouts, plan_shards, shard_seed
-from conftest import make_tiny_model
+from sparserl.rollout.sampler import LocalRollouts, Sampler, concat_rollouts, plan_shards, shard_seed
 
 
 def test_shards_hold_whole_groups_in_order_and_the_first_ones_take_the_remainder():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sparserl.cli import main
-from sparserl.sweep import RegimeRule, choose_regimes
+from sparserl.experiments.sweep import RegimeRule, choose_regimes
 
 
 def _row(budget, gap, veto, peak):

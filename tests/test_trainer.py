@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import kill_part_way_then_resume
 from safetensors.torch import load_file
 
-from conftest import kill_part_way_then_resume
 from sparserl.cli import main
-from sparserl.config import MODES
-from sparserl.presets import RECOMMENDED
-from sparserl.metrics_log import read_metrics
+from sparserl.config.presets import RECOMMENDED
+from sparserl.config.schema import MODES
+from sparserl.train.metrics import read_metrics
 
 TIMING_KEYS = {"rollout_s", "recompute_s", "update_s", "step_s", "tokens_per_s", "kv_compress_time_frac"}
 
@@ -128,8 +128,8 @@ def test_a_batch_with_every_token_rejected_skips_the_update(tiny_model_dir, tmp_
 
 
 def test_reference_model_only_when_kl_is_on(tiny_model_dir, tmp_path):
-    from sparserl.config import load_config
-    from sparserl.trainer import GRPOTrainer
+    from sparserl.config.schema import load_config
+    from sparserl.train.trainer import GRPOTrainer
 
     common = dict(model=str(tiny_model_dir), log_with="none", eval_every=0, difficulty=4)
     assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.0, "out": str(tmp_path / "a")})).reference is None
@@ -138,8 +138,8 @@ def test_reference_model_only_when_kl_is_on(tiny_model_dir, tmp_path):
 
 def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, tmp_path):
     """With one optimizer step per batch, reusing the update's forward as π_old changes nothing."""
-    from sparserl.config import load_config
-    from sparserl.trainer import GRPOTrainer
+    from sparserl.config.schema import load_config
+    from sparserl.train.trainer import GRPOTrainer
 
     common = dict(model=str(tiny_model_dir), log_with="none", eval_every=0, difficulty=4, seed=5,
                   prompts_per_step=4, group_size=4, minibatches=1, entropy_coef=0.05, kl_coef=0.0,
@@ -155,7 +155,7 @@ def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, t
 
 
 def test_kept_vs_vetoed_diagnostics_by_hand():
-    from sparserl.trainer import _kept_vs_rejected
+    from sparserl.train.trainer import _kept_vs_rejected
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     lengths = torch.tensor([10, 20, 30, 40])
@@ -168,7 +168,7 @@ def test_kept_vs_vetoed_diagnostics_by_hand():
 
 
 def test_kept_advantages_by_hand():
-    from sparserl.trainer import _kept_advantages
+    from sparserl.train.trainer import _kept_advantages
 
     # Group advantages (+1, -1, +1, -1) sum to 0; the filters drop row 1 entirely and half of row 2.
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
@@ -206,7 +206,7 @@ def test_rejected_rows_leave_the_baseline_when_asked(tiny_model_dir, tmp_path):
 
 
 def test_a_preset_from_yaml_with_flags_on_top(tiny_model_dir, tmp_path):
-    from sparserl.config import ConfigError, load_config
+    from sparserl.config.schema import ConfigError, load_config
 
     preset = tmp_path / "wide-geo.yaml"
     preset.write_text("name: wide-geo\nbase: geo-rs\ncorrection: {seq_geo_bounds: [0.5, 2.0], is_mode: truncate}\n")

@@ -7,7 +7,8 @@ python docs/results/distill_table.py runs/distill/block64 runs/distill/block64-d
 import sys
 from pathlib import Path
 
-from sparserl.report import cell, load
+from sparserl.report.common import cell
+from sparserl.report.tables import load
 
 WINDOW = 10
 KL_STEPS = (1, 21, 41, 61)

@@ -6,7 +6,8 @@ python docs/results/filters_table.py runs/corr/paper runs/corr/stress > docs/res
 import sys
 from pathlib import Path
 
-from sparserl.report import cell, load
+from sparserl.report.common import cell
+from sparserl.report.tables import load
 
 
 def per_seed(seeds, key, step=None):

@@ -10,7 +10,7 @@ Usage: python docs/results/gemma_distill_table.py runs/distill/gemma-frozen plai
 import sys
 from pathlib import Path
 
-from sparserl.metrics_log import read_metrics
+from sparserl.train.metrics import read_metrics
 
 WINDOWS = ((1, 1), (2, 5), (6, 10))
 KL_STEPS = (1, 5, 10)

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from sparserl.report import load  # noqa: E402
+from sparserl.report.tables import load  # noqa: E402
 
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("default")
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
-    from .config import ConfigError
+    from .config.schema import ConfigError
 
     try:
         from transformers.utils import logging as hf_logging
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparserl: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as interrupt:
-        from .trainer import TrainingInterrupted
+        from .train.trainer import TrainingInterrupted
 
         remedy = "rerun the same command with --resume to continue" if args.command == "train" else \
             "rerun the same command to continue from the last checkpoint"
@@ -98,7 +98,7 @@ def _warmup_arguments(sub) -> None:
     import dataclasses
     import typing
 
-    from .config import WarmupConfig, field_help
+    from .config.schema import WarmupConfig, field_help
 
     hints, helps = typing.get_type_hints(WarmupConfig), field_help(WarmupConfig)
     for f in dataclasses.fields(WarmupConfig):
@@ -109,7 +109,7 @@ def _warmup_arguments(sub) -> None:
 
 
 def _train_arguments(sub) -> None:
-    from .config_flags import add_config_arguments
+    from .config.flags import add_config_arguments
 
     _common(sub)
     sub.add_argument("--resume", nargs="?", const="must", default="never", choices=["auto", "must"], metavar="auto",
@@ -123,7 +123,7 @@ def _train_arguments(sub) -> None:
 
 
 def _inference_arguments(sub, out_help: str) -> None:
-    from .config_flags import add_config_arguments
+    from .config.flags import add_config_arguments
 
     _common(sub, out_help)
     sub.add_argument("--n", type=int, default=200, help="held-out prompts (default: 200)")
@@ -152,7 +152,7 @@ def _audit_arguments(sub) -> None:
 
 
 def _calibrate_arguments(sub) -> None:
-    from .config_flags import add_config_arguments
+    from .config.flags import add_config_arguments
 
     _common(sub)
     sub.add_argument("--out", required=True, metavar="DIR",
@@ -167,7 +167,7 @@ def _calibrate_arguments(sub) -> None:
 
 
 def _compare_arguments(sub) -> None:
-    from .config_flags import add_config_arguments
+    from .config.flags import add_config_arguments
 
     _common(sub)
     sub.add_argument("--modes", default="dense,naive-sparse,sparse-rl",
@@ -180,24 +180,38 @@ def _compare_arguments(sub) -> None:
 
 
 def _config(args):
-    from .config import load_config
-    from .config_flags import overrides_from_args
+    from .config.flags import overrides_from_args
+    from .config.schema import load_config
 
     return load_config(args.config, overrides_from_args(args))
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    from .config import coerce
+def _int_list(text: str, flag: str, minimum: int) -> list[int]:
+    from .config.schema import ConfigError, coerce
 
-    return [coerce(item.strip(), int, flag) for item in text.split(",") if item.strip()]
+    values = [coerce(item.strip(), int, flag) for item in text.split(",") if item.strip()]
+    if not values or min(values) < minimum:
+        raise ConfigError(f"--{flag} {text!r}: give one or more comma-separated integers >= {minimum}")
+    return values
+
+
+def _check_ranges(args, bounds: dict[str, tuple[float, float, str]]) -> None:
+    """Refuse a command's own numeric flags outside their range at once: {dest: (low, high, meaning)}."""
+    from .config.schema import ConfigError
+
+    for dest, (low, high, meaning) in bounds.items():
+        value = getattr(args, dest)
+        if not low <= value <= high:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} {value:g} is out of range: {meaning}")
 
 
 # ---------------------------------------------------------------------------------- handlers
 def _warmup(args) -> int:
     import typing
 
-    from .config import WarmupConfig, coerce
-    from .warmup import warmup
+    from .config.schema import WarmupConfig, coerce
+    from .experiments.warmup import warmup
 
     hints = typing.get_type_hints(WarmupConfig)
     values = {k[4:]: coerce(v, hints[k[4:]], k[4:]) for k, v in vars(args).items()
@@ -208,7 +222,7 @@ def _warmup(args) -> int:
 
 
 def _train(args) -> int:
-    from .trainer import GRPOTrainer
+    from .train.trainer import GRPOTrainer
 
     config = _config(args)
     trainer = GRPOTrainer(config, resume=args.resume, overwrite=args.overwrite,
@@ -220,9 +234,11 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from .config_flags import overrides_from_args
-    from .evaluate import config_for_eval, run_eval
+    from .config.flags import overrides_from_args
+    from .experiments.eval import config_for_eval, run_eval
 
+    _check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
+                         "samples": (0, float("inf"), "samples per prompt for pass@k, 0 (none) or more")})
     overrides = overrides_from_args(args)
     config = config_for_eval(args.config, overrides)
     inference = args.inference or ("sparse" if any(k.startswith("kv_") for k in overrides) else "dense")
@@ -235,9 +251,14 @@ def _eval(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .sweep import run_sweep, sweep_table, write_sweep
+    from .experiments.sweep import run_sweep, sweep_table, write_sweep
 
-    result = run_sweep(_config(args), _int_list(args.budgets, "budgets"), n=args.n, samples=args.samples,
+    _check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
+                         "sample_prompts": (1, float("inf"), "prompts for the sampled rollouts, at least 1"),
+                         "samples": (1, float("inf"), "samples per prompt, at least 1")})
+
+    budgets = _int_list(args.budgets, "budgets", minimum=1)
+    result = run_sweep(_config(args), budgets, n=args.n, samples=args.samples,
                        sample_prompts=args.sample_prompts)
     write_sweep(result, Path(args.out))
     print(sweep_table(result))
@@ -245,7 +266,9 @@ def _sweep(args) -> int:
 
 
 def _audit(args) -> int:
-    from .audit import audit_table, run_audit, write_audit
+    from .experiments.audit import audit_table, run_audit, write_audit
+
+    _check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1")})
 
     result = run_audit(_config(args), n=args.n)
     write_audit(result, Path(args.out))
@@ -254,9 +277,15 @@ def _audit(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .calibrate import calibration_table, run_calibration
+    from .experiments.calibrate import calibration_table, run_calibration
 
-    result = run_calibration(_config(args), Path(args.out), _int_list(args.budgets, "budgets"), tau=args.tau,
+    _check_ranges(args, {"tau": (1e-9, 1.0, "τ is a probability: the α tail to reach, in (0, 1] (Sparrow uses 0.86)"),
+                         "bin_size": (1, float("inf"), "a bin of cached length, at least 1 token"),
+                         "prompts": (1, float("inf"), "calibration prompts, at least 1"),
+                         "samples": (1, float("inf"), "sampled rollouts per prompt, at least 1")})
+
+    budgets = _int_list(args.budgets, "budgets", minimum=1)
+    result = run_calibration(_config(args), Path(args.out), budgets, tau=args.tau,
                              bin_size=args.bin_size, prompts=args.prompts, samples=args.samples)
     print(calibration_table(result))
     print(f"\nschedule: {Path(args.out) / 'schedule.yaml'} (use it with --kv-schedule); plot: {Path(args.out) / 'tails.png'}")
@@ -264,10 +293,10 @@ def _calibrate(args) -> int:
 
 
 def _compare(args) -> int:
-    from .compare import run_compare
-    from .config import load_config
-    from .config_flags import overrides_from_args
-    from .presets import PresetError, load_preset
+    from .config.flags import overrides_from_args
+    from .config.presets import PresetError, load_preset
+    from .config.schema import load_config
+    from .experiments.compare import run_compare
 
     overrides = overrides_from_args(args)
 
@@ -283,7 +312,7 @@ def _compare(args) -> int:
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     seeds = [config_for_mode(modes[0] if modes else "dense").train.seed] if args.seeds is None \
-        else _int_list(args.seeds, "seeds")
+        else _int_list(args.seeds, "seeds", minimum=0)
     run_compare(config_for_mode, modes, seeds)
     return 0
 
@@ -295,7 +324,7 @@ def _model_arguments(sub) -> None:
 
 
 def _model(args) -> int:
-    from .models import fetch_pretrained
+    from .model.loading import fetch_pretrained
 
     out, sample = fetch_pretrained(args.name, args.out)
     print(f"{args.name}: written to {out} (safetensors, float32, with its tokenizer); it loads and generates:\n"
@@ -304,16 +333,16 @@ def _model(args) -> int:
 
 
 def _presets(args) -> int:
-    from .presets import presets_table
+    from .config.presets import presets_table
 
     print(presets_table())
     print("\nA field given on the command line or in --config overrides the preset's; a preset of your own is "
-          "a YAML file (--mode FILE.yaml, see sparserl/presets.py).")
+          "a YAML file (--mode FILE.yaml, see sparserl/config/presets.py).")
     return 0
 
 
 def _write_json(out: Path, result: dict) -> None:
-    from .config import ConfigError
+    from .config.schema import ConfigError
 
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")

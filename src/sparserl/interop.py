@@ -17,8 +17,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .corrections import CorrectionConfig, Corrections, compute_corrections
-from .presets import load_preset
+from .config.corrections import CorrectionConfig
+from .config.presets import load_preset
+from .learner.corrections import Corrections, compute_corrections
 
 
 def _config(correction: CorrectionConfig | str) -> CorrectionConfig:

@@ -10,23 +10,23 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sparserl import recompute
-from sparserl.grpo import ppo_loss, token_coefficients
-from sparserl.mismatch import rollout_alpha_metrics
+from sparserl.learner.alpha import rollout_alpha_metrics
+from sparserl.learner.grpo import ppo_loss, token_coefficients
+from sparserl.model import forward
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 
 torch.set_num_threads(1)
 if sys.argv[1] == "unchunked":
-    recompute.LOGIT_CHUNK_BYTES = 1 << 60  # one chunk: the whole [N, T, V] at once
+    forward.LOGIT_CHUNK_BYTES = 1 << 60  # one chunk: the whole [N, T, V] at once
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=128_000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
 rows, prompt, response = 8, 16, 512
 ids = torch.randint(0, 128_000, (rows, prompt + response))
 mask = torch.ones_like(ids)
-logp_old = recompute.batched_logprobs(model, ids, mask, prompt, rows)
+logp_old = forward.batched_logprobs(model, ids, mask, prompt, rows)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-logp_new, _ = recompute.response_logprobs(model, ids, mask, prompt)
+logp_new, _ = forward.response_logprobs(model, ids, mask, prompt)
 terms = ppo_loss(logp_new, logp_old, torch.randn(rows), torch.ones_like(logp_new),
                  token_coefficients(torch.ones_like(logp_new), "seq-mean-token-mean"), 0.2, 0.2)
 terms.loss.backward()

@@ -38,7 +38,7 @@ class BlockSparsity:
 
     @classmethod
     def from_rollout_config(cls, rollout) -> BlockSparsity:
-        """The settings of a `sparserl.config.RolloutConfig` (`kv_budget`, `kv_schedule`, `block_*`)."""
+        """The settings of a `sparserl.config.schema.RolloutConfig` (`kv_budget`, `kv_schedule`, `block_*`)."""
         if rollout.kv_schedule == "adaptive":
             # An adaptive budget moves a page at a time and never below the always-kept pages.
             schedule = AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,

@@ -51,7 +51,7 @@ class KVCompression:
 
     @classmethod
     def from_rollout_config(cls, rollout) -> KVCompression:
-        """The settings of a `sparserl.config.RolloutConfig` (its `kv_*` fields)."""
+        """The settings of a `sparserl.config.schema.RolloutConfig` (its `kv_*` fields)."""
         options = (("lam", rollout.kv_lambda), ("similarity_threshold", rollout.kv_similarity_threshold),
                    ("kernel_size", rollout.kv_kernel_size), ("pooling", rollout.kv_pooling),
                    ("sinks", rollout.kv_sinks))

@@ -63,10 +63,16 @@ class BinnedBudget(BudgetSchedule):
     @classmethod
     def from_yaml(cls, path: str | Path) -> BinnedBudget:
         path = Path(path)
+        held = "a schedule file holds `bin_size: N` and `budgets: [B, B, ...]` (as `sparserl calibrate` writes)"
         try:
             data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as error:
-            raise ValueError(f"--kv-schedule {path}: cannot read it ({error})") from None
+        except OSError as error:
+            raise ValueError(f"--kv-schedule {path}: cannot read it ({error.strerror}); {held}") from None
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or "not YAML"
+            raise ValueError(f"--kv-schedule {path}: invalid YAML{where} ({problem}); {held}") from None
         if not isinstance(data, dict) or "bin_size" not in data or "budgets" not in data:
             raise ValueError(f"--kv-schedule {path}: needs `bin_size` and a list `budgets` (see `sparserl calibrate`)")
         try:

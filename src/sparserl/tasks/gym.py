@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..rewards import completion_text
+from ..rewards.grading import completion_text
 from .base import Example
 from .math_jsonl import SPLITS, seeded_sample
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..rewards import math_verify_reward
+from ..rewards.grading import math_verify_reward
 from .base import Example
 
 T = TypeVar("T")

@@ -62,7 +62,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def task_from_config(config) -> Task:
-    """The task a `TaskConfig` describes (see `sparserl.config.TaskConfig`)."""
+    """The task a `TaskConfig` describes (see `sparserl.config.schema.TaskConfig`)."""
     if config.task == "pointer_walk":
         return build_task("pointer_walk", letters=config.difficulty, min_letters=config.min_difficulty or None)
     if config.task == "math_jsonl":

@@ -1,0 +1,450 @@
+"""Typed experiment configuration: dataclass sections, YAML files, and command-line overrides.
+
+A YAML file may be nested by section (`rollout: {kv_budget: 64}`) or flat (`kv_budget: 64`).
+Every field is also a command-line flag spelled with dashes (`--kv-budget 64`); field names are
+unique across sections so that flags stay short. Unknown keys and wrong types are rejected with
+a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .corrections import CorrectionConfig
+from .presets import PRESETS, PresetError, load_preset
+
+MODES: tuple[str, ...] = tuple(PRESETS)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # a Hugging Face model directory (or a run directory or checkpoint, for eval); none: the built-in model
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype (log-probs, ratios and α are float32)
+    device: str = "auto"  # where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default (fix it: it changes float sums and so trajectories)
+
+
+@dataclass
+class TaskConfig:
+    task: str = "pointer_walk"  # pointer_walk | math_jsonl | reasoning_gym | gym:<dataset>
+    difficulty: int = 26  # pointer_walk: the longest cycle (3..26); each prompt draws its own length and hop count
+    min_difficulty: int = 0  # pointer_walk: the shortest cycle; 0 = difficulty - 10 (at least 3)
+    data_path: str | None = None  # math_jsonl: the JSONL file, one JSON object per line
+    prompt_key: str = "prompt"  # math_jsonl: the key holding the prompt
+    label_key: str = "label"  # math_jsonl: the key holding the answer
+    template: str = "{prompt}"  # math_jsonl: how the prompt is put to the model ({prompt} is replaced)
+    gym_dataset: str = "chain_sum"  # reasoning_gym: the dataset name
+    max_new_tokens: int = 0  # response bound in tokens; 0 = the task's own
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8  # prompts per training step
+    group_size: int = 8  # samples per prompt (the GRPO group)
+    temperature: float = 1.0  # sampling temperature (no top-p or top-k)
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    kv_policy: str = "rkv"  # which cached tokens a sparse rollout keeps: rkv | snapkv | h2o | streamingllm | pyramidkv
+    kv_budget: int = 80  # KV tokens kept per layer; 80 is the built-in experiment's paper regime, 56 its stress regime
+    kv_window: int = 8  # most recent tokens always kept (the observation window)
+    kv_interval: int = 8  # decode steps between compressions
+    kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`), or adaptive: kv_budget adjusted online to keep the α tail >= alpha_tau
+    alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
+    alpha_tau: float = 0.86  # the α tail an adaptive schedule, or a recalibration, keeps
+    recalibrate_every: int = 0  # train: rerun the calibration on the current weights every N steps (0: never); tau alpha_tau, bins alpha_bin_size
+    calibration_budgets: str = "24,32,40,48,56,64,72,80,96,128"  # the budgets a recalibration tries, comma-separated
+    calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
+    calibration_samples: int = 4  # sampled rollouts per calibration prompt
+    kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
+    kv_lambda: float = 0.1  # rkv: weight of importance against redundancy
+    kv_similarity_threshold: float = 0.5  # rkv: key cosine similarity above which the older twin is redundant
+    kv_kernel_size: int = 7  # snapkv, rkv, pyramidkv: 1-D pooling kernel over positions (odd)
+    kv_pooling: Literal["max", "mean"] = "max"  # snapkv, rkv, pyramidkv: pooling over query heads and positions
+    kv_sinks: int = 4  # streamingllm: attention-sink tokens always kept
+    sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
+    block_page_size: int = 16  # block: tokens per page
+    block_dense_layers: int = 2  # block: the first layers attend densely
+    rollout_workers: int = 0  # Ray actors that sample rollouts (0: in this process); needs pip install -e ".[ray]"
+    rollout_shards: int = 0  # fixed sets of prompt groups each sampled as one batch with its own seed; 0 = max(1, rollout_workers). Same shards, same metrics, whatever the workers
+    ray_address: str | None = None  # join this Ray cluster (e.g. auto or ray://host:10001); none: start a local one
+    rollout_timeout: float = 600.0  # seconds a worker may take for one shard before it is replaced and the shard retried
+    worker_gpus: float = 0.0  # GPUs each rollout worker asks Ray for on a CUDA device (fractions colocate); 0 = 1 / rollout_workers
+    worker_cpus: int = 1  # CPUs each rollout worker asks Ray for (its torch threads when --threads is 0)
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "dense"  # a preset: whether rollouts are sparse and which corrections apply (`sparserl presets`), or a preset YAML file
+    steps: int = 80  # training steps (one rollout batch each)
+    seed: int = 0  # prompts, sampling and held-out set all derive from it
+    lr: float = 1e-4  # AdamW learning rate; tuned on the built-in experiment (1e-3 collapsed, 3e-4 stayed flat)
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient norm clip
+    minibatches: int = 2  # optimizer steps per rollout batch
+    epochs: int = 1  # passes over each rollout batch
+    clip_eps: float = 0.2  # PPO clip, lower side
+    clip_eps_high: float = 0.2  # PPO clip, upper side
+    kl_coef: float = 1e-4  # weight of the k3 KL to the initial policy (0: no reference model)
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    loss_agg: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"  # loss aggregation (token-mean: DAPO)
+    rejected_in_baseline: bool = True  # rejected sequences still count in their group's reward baseline (reference)
+    warn_rejected_frac: float = 0.5  # warn once when corrections reject more than this fraction of tokens
+    max_rejected_steps: int = 3  # stop with an error after this many consecutive steps whose every token was rejected
+    micro_batch_size: int = 64  # rows per forward in recompute and update; bounds memory
+    distill_sparse: bool = False  # DistillSparse: a LoRA active only in the sparse sampler, trained toward the dense policy
+    distill_rank: int = 8  # DistillSparse LoRA rank
+    distill_alpha: float = 16.0  # DistillSparse LoRA alpha (scale alpha / rank)
+    distill_lr: float = 1e-4  # DistillSparse adapter learning rate (AdamW)
+    distill_kl_coef: float = 1.0  # weight λ of KL(dense ‖ sparse) in the adapter's loss
+    distill_target_modules: str = "all-linear"  # layers the adapter wraps: all-linear, or comma-separated module names
+    reward_funcs: str = "task"  # comma-separated rewards: task (the task's own) and MODULE:FUNCTION or FILE.py:FUNCTION
+    reward_weights: str = ""  # comma-separated weights, one per reward function (default: all 1)
+    reward_timeout: float = 10.0  # seconds a reward function may take for one batch before its worker is killed
+    max_reward_failure_frac: float = 0.5  # stop the run when more completions than this fail in one reward function
+
+
+@dataclass
+class OutputConfig:
+    out: str = "runs/default"  # the run directory
+    checkpoint_every: int = 10  # steps between checkpoints (and one at the end, and on Ctrl-C)
+    keep_checkpoints: int = 2  # newest checkpoints kept (>= 1)
+    eval_every: int = 10  # steps between held-out evaluations (0: none)
+    eval_examples: int = 200  # held-out prompts per evaluation
+    eval_sparse_inference: bool = False  # also evaluate under this run's KV cache (compare always does)
+    log_with: str = "tensorboard"  # comma-separated: tensorboard, trackio, wandb, none
+
+
+@dataclass
+class WarmupConfig:
+    """`sparserl warmup`: the supervised warm start of the built-in model (see `sparserl.experiments.warmup`)."""
+
+    out: str = "warmup-model"  # where the model directory is written
+    seed: int = 0  # model initialisation and the demonstration stream
+    letters: int = 26  # the target task's difficulty (longest cycle)
+    batch_size: int = 32  # demonstrations per step
+    lr: float = 2e-3  # AdamW learning rate
+    warmup_steps: int = 50  # linear learning-rate warm-up
+    weight_decay: float = 0.01  # AdamW weight decay
+    max_steps: int = 12000  # give up after this many steps
+    probe_every: int = 25  # steps between probes in the early stages
+    final_probe_every: int = 10  # steps between probes in the last (target) stage
+    stage_probe_examples: int = 64  # prompts per early-stage probe
+    probe_examples: int = 200  # held-out target prompts per last-stage probe
+    band_low: float = 0.30  # the band of held-out exact walks a shipped model must be in
+    band_high: float = 0.80  # (upper end)
+    stop_at: float = 0.50  # stop at the first probe in the band at or above this
+    # Early stages: (min letters, max letters, exact-walk rate at this stage that moves on); the
+    # target distribution follows as the last stage.
+    curriculum: list[tuple[int, int, float]] = field(
+        default_factory=lambda: [(3, 8, 0.9), (3, 14, 0.9)])
+    threads: int = 1  # torch threads (fixed, so that the same seed gives the same weights)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """The trailing `# comment` of each field in `cls`'s source: the field's one-line --help."""
+    import inspect
+    import re
+
+    pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig.off)  # the default mode's (dense) preset
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _sections(cls: type = ExperimentConfig) -> dict[str, type]:
+    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def field_index() -> dict[str, tuple[str, Any, Any]]:
+    """leaf name -> (section, type, default) over all sections."""
+    index = {}
+    for section, section_cls in _sections().items():
+        hints = typing.get_type_hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.name in index:
+                raise AssertionError(f"config field {f.name} appears in two sections")
+            index[f.name] = (section, hints[f.name], default)
+    return index
+
+
+def coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert `value` (from YAML or a command line string) to `annotation`, or raise ConfigError."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return coerce(value, option, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if errors else f"{key}: {value!r} is not allowed")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or len(items) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} comma-separated values, got {value!r}")
+        return tuple(coerce(v, a, key) for v, a in zip(items, args))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(as_float)
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {annotation}")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Defaults, then the YAML file, then `overrides` (leaf name -> value, e.g. from the CLI)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values.update(read_yaml(Path(path)))
+    values.update({k: v for k, v in (overrides or {}).items()})
+    index = field_index()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _sections()}
+    for key, raw in values.items():
+        name = key.replace("-", "_")
+        if name not in index:
+            close = difflib.get_close_matches(name, list(index), n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}; `sparserl train --help` lists them all")
+        section, annotation, _ = index[name]
+        sections[section][name] = coerce(raw, annotation, name)
+    try:
+        built = {name: cls(**sections[name]) for name, cls in _sections().items() if name != "correction"}
+        built["correction"] = resolve_correction(built["train"].mode, sections["correction"])
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+    config = ExperimentConfig(**built)
+    if load_preset(config.train.mode).needs_schedule and not config.rollout.kv_schedule \
+            and not config.rollout.recalibrate_every:
+        # A scheduled mode with neither a calibrated file nor recalibration adapts its budgets online.
+        config.rollout.kv_schedule = "adaptive"
+    validate(config)
+    return config
+
+
+def resolve_correction(mode: str, explicit: dict[str, Any]) -> CorrectionConfig:
+    """The mode's preset corrections, with the fields given explicitly (config file, flags) on top."""
+    try:
+        preset = load_preset(mode)
+    except PresetError as error:
+        raise ConfigError(str(error)) from None
+    hints = typing.get_type_hints(CorrectionConfig)
+    from_file = {key: coerce(value, hints[key], key) for key, value in preset.correction_overrides.items()}
+    return CorrectionConfig(**{**dataclasses.asdict(preset.correction), **from_file, **explicit})
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(error, 'problem', error)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    flat: dict[str, Any] = {}
+    section_names = _sections()
+    for key, value in data.items():
+        # `task` and `model` are both section and field names: a mapping is the section, a scalar the field.
+        if key in section_names and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def validate(config: ExperimentConfig) -> None:
+    """Cross-field checks that the types alone cannot express."""
+    checks = [
+        (config.rollout.group_size >= 2, "group_size must be >= 2 (GRPO needs a group to compare)"),
+        (config.rollout.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
+        (config.rollout.kv_window >= 1, "kv_window must be >= 1"),
+        (config.rollout.kv_budget > config.rollout.kv_window,
+         f"kv_budget ({config.rollout.kv_budget}) must exceed kv_window ({config.rollout.kv_window})"),
+        (config.rollout.kv_interval >= 1, "kv_interval must be >= 1"),
+        (config.rollout.alpha_bin_size >= 1, "alpha_bin_size must be >= 1"),
+        (0 < config.rollout.alpha_tau <= 1, "alpha_tau must be in (0, 1]"),
+        (config.rollout.temperature > 0, "temperature must be > 0 for RL sampling"),
+        (config.train.steps >= 0, "steps must be >= 0"),
+        (config.train.lr > 0, "lr must be > 0"),
+        (config.train.minibatches >= 1, "minibatches must be >= 1"),
+        (config.train.epochs >= 1, "epochs must be >= 1"),
+        (0 < config.train.clip_eps < 1, "clip_eps must be in (0, 1)"),
+        (config.train.clip_eps_high > 0, "clip_eps_high must be > 0"),
+        (config.train.kl_coef >= 0, "kl_coef must be >= 0"),
+        (config.output.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+        (3 <= config.task.difficulty <= 26, "difficulty must be in 3..26 (letters in the longest cycle)"),
+        (config.task.min_difficulty == 0 or 3 <= config.task.min_difficulty <= config.task.difficulty,
+         "min_difficulty must be 0 (difficulty - 10) or in 3..difficulty"),
+    ]
+    checks += [
+        (config.train.max_rejected_steps >= 1, "max_rejected_steps must be >= 1"),
+        (config.output.keep_checkpoints >= 1, "keep_checkpoints must be >= 1 (the newest is always kept)"),
+        (config.output.eval_every >= 0, "eval_every must be >= 0 (0: no evaluation during training)"),
+        (config.output.eval_examples >= 1, "eval_examples must be >= 1"),
+        (config.task.max_new_tokens >= 0, "max_new_tokens must be >= 0 (0: the task's own response bound)"),
+        (config.train.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
+        (config.train.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
+        (0 <= config.train.max_reward_failure_frac <= 1, "max_reward_failure_frac must be in [0, 1]"),
+        (config.model.threads >= 0, "threads must be >= 0 (0: torch's default)"),
+        (config.task.task in TASKS or config.task.task.startswith("gym:"),
+         f"task {config.task.task!r} is unknown; choose one of {', '.join(TASKS)} or gym:<dataset>"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    _validate_kv_policy(config.rollout)
+    _validate_recalibration(config.rollout)
+    _validate_block(config.rollout)
+    _validate_workers(config.rollout)
+    if config.train.distill_sparse and not load_preset(config.train.mode).sparse_rollouts:
+        raise ConfigError(f"--distill-sparse needs sparse rollouts; mode {config.train.mode} samples densely")
+    if config.train.distill_sparse and (config.train.distill_rank < 1 or config.train.distill_lr <= 0
+                                        or config.train.distill_kl_coef < 0):
+        raise ConfigError("distill_rank must be >= 1, distill_lr > 0 and distill_kl_coef >= 0")
+    if config.rollout.recalibrate_every and not load_preset(config.train.mode).sparse_rollouts:
+        raise ConfigError(f"--recalibrate-every needs sparse rollouts; mode {config.train.mode} samples densely")
+    if config.rollout.kv_schedule and config.rollout.kv_schedule != "adaptive":
+        from ..rollout.schedule import BinnedBudget
+
+        try:
+            BinnedBudget.from_yaml(config.rollout.kv_schedule)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    total = config.rollout.prompts_per_step * config.rollout.group_size
+    if total % config.train.minibatches:
+        raise ConfigError(f"minibatches ({config.train.minibatches}) must divide prompts_per_step x group_size ({total})")
+
+
+TASKS = ("pointer_walk", "math_jsonl", "reasoning_gym")
+# Config fields that set a KV policy's constructor argument of the given name.
+KV_POLICY_OPTIONS = {"kv_lambda": "lam", "kv_similarity_threshold": "similarity_threshold",
+                     "kv_kernel_size": "kernel_size", "kv_pooling": "pooling", "kv_sinks": "sinks"}
+
+
+def calibration_budgets(rollout: RolloutConfig) -> list[int]:
+    budgets = [coerce(b.strip(), int, "calibration_budgets") for b in rollout.calibration_budgets.split(",") if b.strip()]
+    if not budgets or min(budgets) <= rollout.kv_window:
+        raise ConfigError(f"calibration_budgets must list budgets above kv_window ({rollout.kv_window}), "
+                          f"got {rollout.calibration_budgets!r}")
+    return budgets
+
+
+def _validate_recalibration(rollout: RolloutConfig) -> None:
+    if rollout.recalibrate_every < 0:
+        raise ConfigError("recalibrate_every must be >= 0 (0: never)")
+    if not rollout.recalibrate_every:
+        return
+    if rollout.kv_schedule == "adaptive":
+        raise ConfigError("--recalibrate-every and --kv-schedule adaptive both set the budgets; choose one")
+    if rollout.calibration_prompts < 1 or rollout.calibration_samples < 1:
+        raise ConfigError("calibration_prompts and calibration_samples must be >= 1")
+    calibration_budgets(rollout)
+
+
+def _validate_block(rollout: RolloutConfig) -> None:
+    if rollout.block_page_size < 1 or rollout.block_dense_layers < 0:
+        raise ConfigError("block_page_size must be >= 1 and block_dense_layers >= 0")
+    always = 3 * rollout.block_page_size  # the first page and the 2 most recent
+    if rollout.sparsity == "block" and rollout.kv_budget < always:
+        raise ConfigError(f"--sparsity block: kv_budget ({rollout.kv_budget}) must cover the first and the 2 most "
+                          f"recent pages, at least 3 x block_page_size = {always} tokens")
+
+
+def _validate_workers(rollout: RolloutConfig) -> None:
+    checks = [
+        (rollout.rollout_workers >= 0, "rollout_workers must be >= 0 (0: sample in this process)"),
+        (rollout.rollout_shards >= 0, "rollout_shards must be >= 0 (0: one per worker)"),
+        (max(rollout.rollout_shards, rollout.rollout_workers, 1) <= rollout.prompts_per_step,
+         f"rollout_shards and rollout_workers must not exceed prompts_per_step ({rollout.prompts_per_step}): "
+         "a shard holds whole prompt groups"),
+        (rollout.rollout_timeout > 0, "rollout_timeout must be > 0 seconds"),
+        (rollout.worker_gpus >= 0, "worker_gpus must be >= 0 (0: 1 / rollout_workers)"),
+        (rollout.worker_cpus >= 1, "worker_cpus must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _validate_kv_policy(rollout: RolloutConfig) -> None:
+    """An unknown policy, or an option set away from its default that the policy does not take, is an error."""
+    import inspect
+
+    from ..rollout.kv_policies import POLICIES
+
+    if rollout.kv_policy not in POLICIES:
+        raise ConfigError(f"kv_policy {rollout.kv_policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
+    accepted = inspect.signature(POLICIES[rollout.kv_policy]).parameters
+    defaults = RolloutConfig()
+    for name, parameter in KV_POLICY_OPTIONS.items():
+        if getattr(rollout, name) != getattr(defaults, name) and parameter not in accepted:
+            takers = sorted(p for p, cls in POLICIES.items() if parameter in inspect.signature(cls).parameters)
+            raise ConfigError(f"--{name.replace('_', '-')} does not apply to kv_policy {rollout.kv_policy}; "
+                              f"it is an option of {', '.join(takers)}")
+
+
+def save_config(config: ExperimentConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(_plain(config.to_dict()), sort_keys=False))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return list(value)
+    return value

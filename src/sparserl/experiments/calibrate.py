@@ -1,0 +1,90 @@
+"""`sparserl calibrate`: the smallest KV budget per cached-length bin that keeps the α tail ≥ τ.
+
+Sparrow's calibration (SPEC §4). Rollouts of the current model on calibration prompts (the
+task's train split, so the held-out set stays untouched) are scored token by token with the
+acceptance rate α against the dense model, and the `quantile` (5th percentile) of α is taken in
+each bin of cached length.
+
+Eviction makes the order matter: a token evicted under an early, small budget is gone for every
+later bin, so a bin's tail depends on the budgets of all the bins before it. (Sparrow's own block
+sparsity keeps the full cache and has no such history.) The schedule is therefore chosen bin by
+bin along the sequence: for bin k, the smallest budget, no smaller than bin k−1's, such that with
+the budgets already chosen for bins < k in force and this one held for the rest of the sequence,
+the tail reaches τ in bin k *and every later bin*. Looking ahead is what stops a small early budget
+from evicting a token that a later bin needs (a first version chose bin by bin and passed bin k
+only to fail every later one). Bins that even the largest budget cannot rescue are reported. The
+tails of each fixed budget are measured too, for the plot. It writes, into `--out`:
+
+- `schedule.yaml`: the schedule, for `--kv-schedule`;
+- `tails.png`: the tail against cached length, one line per budget, with τ drawn;
+- `calibration.md` and `calibration.json`: the table behind it.
+
+`train --recalibrate-every N` runs the same search on the current weights every N steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..rollout.schedule import BinnedBudget
+from ..train.calibration import calibrate_schedule
+from .eval import held_out
+
+
+def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size: int, prompts: int,
+                    samples: int, quantile: float = 0.05) -> dict:
+    setup = held_out(config, 0)
+    examples = setup.task.examples(prompts, seed=config.train.seed, split="train")
+    found = calibrate_schedule(setup.model, setup.tokenizer, setup.max_new_tokens, config.rollout, examples, budgets,
+                               tau, bin_size, samples, config.train.seed, quantile)
+    out.mkdir(parents=True, exist_ok=True)
+    found.schedule.to_yaml(out / "schedule.yaml", tau=tau, quantile=quantile, policy=config.rollout.kv_policy,
+                           window=config.rollout.kv_window, interval=config.rollout.kv_interval)
+    result = {"tau": tau, "bin_size": bin_size, "quantile": quantile, "prompts": prompts, "samples": samples,
+              "tails": {str(b): t for b, t in found.fixed_tails.items()}, "schedule": list(found.schedule.budgets),
+              "schedule_tails": found.schedule_tails, "unmet_bins": found.unmet_bins}
+    (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "calibration.md").write_text(calibration_table(result) + "\n")
+    _plot(out / "tails.png", found.fixed_tails, found.schedule_tails, tau, found.schedule)
+    return result
+
+
+def calibration_table(result: dict) -> str:
+    def cell(per_bin: dict, start: int) -> str:
+        value = per_bin.get(start, per_bin.get(str(start)))  # int keys, or str once through JSON
+        return "—" if value is None else f"{value:.3f}"
+
+    starts = sorted({int(s) for t in [*result["tails"].values(), result["schedule_tails"]] for s in t})
+    lines = ["| budget | " + " | ".join(f"tail @{s}" for s in starts) + " |", "|" + "---|" * (len(starts) + 1)]
+    for budget, per_bin in result["tails"].items():
+        lines.append(f"| {budget} | " + " | ".join(cell(per_bin, s) for s in starts) + " |")
+    lines.append("| **schedule** | " + " | ".join(cell(result["schedule_tails"], s) for s in starts) + " |")
+    schedule = ", ".join(f"{i * result['bin_size']}+: {b}" for i, b in enumerate(result["schedule"]))
+    unmet = f" No budget reached τ in the bins starting at {result['unmet_bins']}." if result["unmet_bins"] else ""
+    return (f"α tail ({result['quantile']:.0%} quantile per cached-length bin of {result['bin_size']} tokens) on "
+            f"{result['prompts']} calibration prompts × {result['samples']} samples; τ = {result['tau']}. Rows: fixed "
+            "budgets, then the chosen schedule.\n\n" + "\n".join(lines)
+            + f"\n\nSchedule (cached length: budget): {schedule}.{unmet}")
+
+
+def _plot(path: Path, tails: dict[int, dict[int, float]], achieved: dict[int, float], tau: float,
+          schedule: BinnedBudget) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for budget, per_bin in sorted(tails.items()):
+        starts = sorted(per_bin)
+        ax.plot(starts, [per_bin[s] for s in starts], marker="o", ms=3, lw=1, label=f"B = {budget}")
+    starts = sorted(achieved)
+    ax.plot(starts, [achieved[s] for s in starts], color="black", marker="s", lw=2.5, label="schedule")
+    ax.axhline(tau, color="black", ls="--", lw=1, label=f"τ = {tau}")
+    ax.set(xlabel="cached length (tokens, bin start)", ylabel="α tail (5th percentile)",
+           title=f"Acceptance-rate tail by length; schedule: {list(schedule.budgets)}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)

@@ -1,0 +1,366 @@
+"""The comparison report: the regime, the paper-style table over seeds, and computed verdicts.
+
+`write_report(dir)` reads `dir/compare.json` (modes, seeds, config) and, for each mode and seed,
+`dir/<mode>/seed<S>/metrics.jsonl` and `final_eval.json`. It writes the plots (`report_plots.py`)
+and `report.md` into `dir`, with the α tail per length bin (`report_alpha.py`) where runs logged
+it. `paper_table(dir)` returns the regime line and the main table, for the command line to print.
+A mode whose runs trained DistillSparse is labelled "<mode> + DistillSparse".
+
+Every cell is the mean over seeds with the min–max range. A verdict (improved, held, degraded,
+collapsed; a paper claim met or not met) is stated only when every seed agrees; otherwise it is
+`mixed`, with the per-seed values. A mode with no run directory is reported as "not run"; one
+without `final_eval.json` as "incomplete" (its numbers come from the metrics alone). An unreadable
+or malformed `final_eval.json` makes its run incomplete too, and the problem is listed under the
+table (report.md and the command line); a bad line in a `metrics.jsonl` stops the report with an error
+naming the file and the line (`metrics_log.read_metrics`).
+
+KV columns describe the *training rollouts* (what Sparse-RL's "KV storage saved" measures): the
+mean of `kv_kept_frac` and the largest `kv_peak_bytes` / `kv_dense_bytes` over the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..train.layout import COMPARE_FILE, CONFIG_FILE, FINAL_EVAL_FILE, METRICS_FILE, REPORT_FILE
+from ..train.metrics import read_metrics
+from .common import DASH, DISTILL_SUFFIX, cell, markdown, series, setting
+
+MIB = 1024 ** 2
+# Thresholds of the verdicts, stated in the report too.
+COLLAPSE_FRAC = 0.5     # collapsed: final dense-inference accuracy < 50% of its step-0 value
+DEGRADE_POINTS = 5.0    # degraded / improved: more than 5 accuracy points below / above step 0
+TARGET_ACC_FRAC = 97.0  # paper: Sparse-RL keeps ~97% of dense accuracy ...
+MIN_EVAL_EXAMPLES = 100  # below this many held-out examples (or MIN_STEPS steps) verdicts carry a caveat
+MIN_STEPS = 20
+TABLE_HEADER = ("Mode", "Held-out acc (dense inf.)", "Held-out acc (sparse inf.)", "Exact walks (dense inf.)",
+                "Acc at step 0 (dense / sparse)", "KV saved", "Peak KV MiB (sparse / dense)", "Rollout s",
+                "Final train reward", "Rejected tokens / seq. (applied)", "Skipped steps")
+MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean"), ("flagged_veto_frac", "mean"),
+                 ("flagged_band_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"),
+                 ("walk_exact", "mean"))
+# A DistillSparse run's mode label: the preset alone would not tell it from the same mode without.
+# The numbers the report takes from final_eval.json: summary key -> where they are in the file.
+FINAL_EVAL_FIELDS = {"acc_dense": ("dense", "accuracy"), "exact_dense": ("dense", "walk_exact"),
+                     "acc_sparse": ("sparse", "accuracy"), "exact_sparse": ("sparse", "walk_exact"),
+                     "kv_kept": ("sparse", "kv", "kept_token_frac"), "rollout_total": ("rollout_seconds",)}
+
+
+# ---------------------------------------------------------------------------------- loading
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; a ValueError naming the file and what is wrong otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from error
+    except ValueError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def read_final_eval(path: Path) -> dict[str, float | None]:
+    """The numbers of `FINAL_EVAL_FIELDS` in a run's final_eval.json, None where absent; a ValueError
+    naming the file and what is wrong when it cannot be read or a field is not a number."""
+    data = _read_json_object(path)
+    numbers = {}
+    for key, where in FINAL_EVAL_FIELDS.items():
+        value = data
+        for depth, name in enumerate(where):
+            if value is None:
+                break
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: {'.'.join(where[:depth])} is {value!r}, not a JSON object")
+            value = value.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{path}: {'.'.join(where)} is {value!r}, not a number")
+        numbers[key] = value
+    return numbers
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
+    """Everything the tables, verdicts and plots need about one run; missing values are None."""
+    if not run_dir.is_dir():
+        return {"mode": mode, "status": "not run", "steps": [], "evals": []}
+    records = read_metrics(run_dir / METRICS_FILE)
+    final, problem = _final_eval(run_dir / FINAL_EVAL_FILE)
+    steps = [r for r in records if r["step"] >= 1 and "reward_mean" in r]  # step 0 is eval-only
+    evals = [r for r in records if "eval_accuracy_dense" in r]
+    start = next((r for r in records if r["step"] == 0), {})
+    s = {"mode": mode, "status": "done" if final else "incomplete", "problem": problem, "steps": steps,
+         "evals": evals}
+    last_eval = evals[-1] if evals and evals[-1]["step"] > 0 else {}
+    for kind in ("dense", "sparse"):
+        for key, logged in ((f"acc_{kind}", f"eval_accuracy_{kind}"), (f"exact_{kind}", f"eval_walk_exact_{kind}")):
+            s[key] = final[key] if final.get(key) is not None else last_eval.get(logged)
+        s[f"acc0_{kind}"] = start.get(f"eval_accuracy_{kind}")
+    kept = _mean(series(steps, "kv_kept_frac")[1])
+    if kept is None:
+        kept = final.get("kv_kept")
+    s["kv_saved"] = None if kept is None else 1.0 - kept
+    peaks, denses = series(steps, "kv_peak_bytes")[1], series(steps, "kv_dense_bytes")[1]
+    s["kv_peak"] = max(peaks) / MIB if peaks else None
+    s["kv_dense"] = max(denses) / MIB if denses else None
+    s["rollout_total"] = final["rollout_total"] if final.get("rollout_total") is not None else \
+        (sum(series(steps, "rollout_s")[1]) if steps else None)
+    rewards = series(steps, "reward_mean")[1]
+    s["final_reward"] = _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):])  # the last 10% of steps
+    s["rejected_tokens"] = _mean(series(steps, "rejected_token_frac")[1])
+    s["rejected_seqs"] = _mean(series(steps, "rejected_seq_frac")[1])
+    skipped = series(steps, "skipped_steps")[1]
+    s["skipped"] = skipped[-1] if skipped else None
+    s["attended"] = _mean(series(steps, "kv_attended_frac")[1])
+    s["veto0"] = steps[0].get("flagged_veto_frac") if steps else None
+    s["alpha_tail0"] = steps[0].get("alpha_tail") if steps else None
+    for key, how in MISMATCH_KEYS:
+        values = series(steps, key)[1]
+        s[key] = (min(values) if values else None) if how == "min" else _mean(values)
+    buckets = {k for r in steps for k in r if k.startswith("flagged_veto_frac_len_")}
+    s["veto_by_len"] = {k: _mean(series(steps, k)[1]) for k in buckets}
+    return s
+
+
+def _final_eval(path: Path) -> tuple[dict[str, float | None], str | None]:
+    """(the run's final_eval numbers, None) when it has a readable one; ({}, None) when it has none
+    yet; ({}, what is wrong) when it cannot be read: the run then counts as incomplete and the
+    report states the problem, rather than the whole report failing over one run."""
+    if not path.exists():
+        return {}, None
+    try:
+        return read_final_eval(path), None
+    except ValueError as error:
+        # `sparserl compare` skips a run that has the file, so only deleting it redoes the evaluation.
+        return {}, (f"{error}; the run is reported as incomplete (held-out accuracy from its last in-training "
+                    "evaluation): delete the file and rerun `sparserl compare` to redo its final evaluation")
+
+
+def label(mode: str, run_dirs: list[Path], config: dict) -> str:
+    """The mode's name in the report: its preset, with `DISTILL_SUFFIX` when its runs trained the
+    sampler adapter (from the first run's saved config.yaml, else the comparison's config)."""
+    saved = next((d / CONFIG_FILE for d in run_dirs if (d / CONFIG_FILE).is_file()), None)
+    run_config = (yaml.safe_load(saved.read_text()) or {}) if saved else config
+    return mode + (DISTILL_SUFFIX if setting(run_config, "distill_sparse", False) else "")
+
+
+def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
+    """(compare.json, {label: [one summary per seed]}), labels as `label` gives them."""
+    compare_dir = Path(compare_dir)
+    manifest = compare_dir / COMPARE_FILE
+    if not manifest.is_file():
+        raise ValueError(f"{compare_dir} holds no compare.json; pass the --out directory of a `sparserl compare` run")
+    meta = _read_json_object(manifest)
+    seeds = meta.get("seeds") or [0]
+    runs = {}
+    for mode in meta.get("modes", []):
+        run_dirs = [compare_dir / mode / f"seed{seed}" for seed in seeds]
+        runs[label(mode, run_dirs, meta.get("config") or {})] = [summarise_run(mode, d) for d in run_dirs]
+    return meta, runs
+
+
+# ---------------------------------------------------------------------------------- cells
+def _row(mode: str, seeds: list[dict]) -> list[str]:
+    done = [s for s in seeds if s["status"] != "not run"]
+    if not done:
+        return [f"{mode} (not run)"] + [DASH] * (len(TABLE_HEADER) - 1)
+    col = lambda key: [s.get(key) for s in done]  # noqa: E731
+    incomplete = sum(s["status"] == "incomplete" for s in done)
+    label = mode + (f" ({incomplete} incomplete)" if incomplete else "") + \
+        (f" ({len(done)} of {len(seeds)} seeds)" if len(done) < len(seeds) else "")
+    peak = DASH if all(v is None for v in col("kv_peak")) else f"{cell(col('kv_peak'), '.2f')} / {cell(col('kv_dense'), '.2f')}"
+    rejects = any(v for v in col("rejected_tokens"))
+    return [label, cell(col("acc_dense")), cell(col("acc_sparse")), cell(col("exact_dense")),
+            f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}", cell(col("kv_saved")), peak,
+            cell(col("rollout_total"), ".1f"), cell(col("final_reward"), ".3f"),
+            f"{cell(col('rejected_tokens'))} / {cell(col('rejected_seqs'))}" if rejects else DASH,
+            cell(col("skipped"), "int")]
+
+
+def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """What sets the sparse regime of the comparison apart, over the sparse runs: at step 0 (the start
+    model) the dense − sparse greedy-accuracy gap, the veto rate and the α tail; over training the
+    peak KV bytes against dense, the KV tokens saved and the attended share (README, "Regimes")."""
+    sparse = [s for mode, seeds in runs.items() if mode != "dense" for s in seeds if s["status"] != "not run"]
+    gaps = [s["acc0_dense"] - s["acc0_sparse"] for s in sparse
+            if s.get("acc0_dense") is not None and s.get("acc0_sparse") is not None]
+    return {"gap0": gaps, "veto0": [s["veto0"] for s in sparse if s.get("veto0") is not None],
+            "alpha_tail0": [s["alpha_tail0"] for s in sparse if s.get("alpha_tail0") is not None],
+            # The run's largest cache against its longest dense one, as the table's MiB columns (a
+            # per-step ratio is inflated by steps whose responses all ended early).
+            "kv_peak_frac": [s["kv_peak"] / s["kv_dense"] for s in sparse if s.get("kv_peak") and s.get("kv_dense")],
+            "kv_saved": [s["kv_saved"] for s in sparse if s.get("kv_saved") is not None],
+            "attended": [s["attended"] for s in sparse if s.get("attended") is not None]}
+
+
+def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
+    r = regime(runs)
+    schedule = setting(config, "kv_schedule", None)
+    budget = f"schedule {schedule}" if schedule else setting(config, "kv_budget")
+    if setting(config, "sparsity", "eviction") == "block":
+        # Block-sparse attention keeps the whole cache: what it saves is attention reads.
+        sparsity = (f"block-sparse attention, {budget} attended tokens per sparse layer (pages of "
+                    f"{setting(config, 'block_page_size')}, the first {setting(config, 'block_dense_layers')} "
+                    f"layer(s) dense); attended share of the cached keys (sparse layers, mean over decode steps) "
+                    f"{cell(r['attended'])}")
+    else:
+        sparsity = (f"KV budget {budget} ({setting(config, 'kv_policy')}, window {setting(config, 'kv_window')}, "
+                    f"interval {setting(config, 'kv_interval')})")
+    return (f"Regime: {sparsity}; step-0 greedy accuracy "
+            f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
+            f"peak KV bytes {cell(r['kv_peak_frac'])} of dense; KV tokens saved (mean over rollouts) "
+            f"{cell(r['kv_saved'])}; step-0 α tail (5th percentile, worst length bin) "
+            + (cell(r["alpha_tail0"], ".3f") if r["alpha_tail0"] else "not logged by these runs") + ".")
+
+
+def paper_table(compare_dir: Path) -> str:
+    """The regime line and the paper-style table (markdown), one row per mode, then the problems met
+    reading the runs, if any (so the command line shows them as well as report.md)."""
+    meta, runs = load(compare_dir)
+    seeds = meta.get("seeds") or [0]
+    table = markdown(TABLE_HEADER, [_row(mode, s) for mode, s in runs.items()])
+    problems = [f"- {mode}, seed {seed}: {s['problem']}" for mode, per_seed in runs.items()
+                for seed, s in zip(seeds, per_seed) if s.get("problem")]
+    return f"{regime_line(runs, meta.get('config') or {})}\nSeeds: {', '.join(map(str, seeds))} " \
+           f"(cells: mean (min–max)).\n\n{table}" + \
+           ("\n\nProblems reading the runs:\n\n" + "\n".join(problems) if problems else "")
+
+
+# ---------------------------------------------------------------------------------- verdicts
+def classify_trajectory(start: float, final: float) -> str:
+    """collapsed / degraded / held / improved: final dense-inference accuracy against step 0."""
+    if final < COLLAPSE_FRAC * start:
+        return "collapsed"
+    if 100 * (final - start) < -DEGRADE_POINTS:
+        return "degraded"
+    return "improved" if 100 * (final - start) > DEGRADE_POINTS else "held"
+
+
+def agree(labels: list[str], details: list[str]) -> str:
+    """The verdict when every seed gives the same one, else `mixed` with the per-seed values."""
+    if labels and all(label == labels[0] for label in labels):
+        return f"**{labels[0]}** ({'; '.join(details)})"
+    return "**mixed** (" + "; ".join(f"seed {i}: {label}, {d}" for i, (label, d) in enumerate(zip(labels, details))) + ")"
+
+
+def findings(runs: dict[str, list[dict]], seeds: list[int]) -> list[str]:
+    """Plain sentences computed from the numbers; each states the values it rests on."""
+    out = []
+    for mode, per_seed in runs.items():
+        pairs = [(s["acc0_dense"], s["acc_dense"]) for s in per_seed
+                 if s.get("acc0_dense") is not None and s.get("acc_dense") is not None]
+        if pairs and len(pairs) == len(per_seed):
+            out.append(f"{mode}, final vs step-0 accuracy (dense inference): " + agree(
+                [classify_trajectory(a, b) for a, b in pairs], [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
+    dense, rl = runs.get("dense", []), runs.get("sparse-rl", [])
+    both = [(d, r) for d, r in zip(dense, rl) if d.get("acc_dense") and r.get("acc_dense") is not None]
+    if both and len(both) == len(seeds):
+        ratios = [100 * r["acc_dense"] / d["acc_dense"] for d, r in both]
+        out.append(f"Paper claim: Sparse-RL keeps ≥ {TARGET_ACC_FRAC:.0f}% of dense accuracy — " + agree(
+            ["met" if x >= TARGET_ACC_FRAC else "not met" for x in ratios], [f"{x:.1f}%" for x in ratios]))
+        sparse_pairs = [(r["acc_sparse"], d["acc_sparse"]) for d, r in both
+                        if r.get("acc_sparse") is not None and d.get("acc_sparse") is not None]
+        if len(sparse_pairs) == len(both):
+            out.append("Paper claim: the Sparse-RL model loses less under sparse inference than the dense-trained "
+                       "one (sparse-inference accuracy ≥ dense-trained's) — " + agree(
+                           ["met" if a >= b else "not met" for a, b in sparse_pairs],
+                           [f"{100 * a:.1f}% vs {100 * b:.1f}%" for a, b in sparse_pairs]))
+    else:
+        out.append("Paper claims: cannot be evaluated (a dense or sparse-rl run is missing for some seed).")
+    naive = runs.get("naive-sparse", [])
+    pairs = [(s["acc0_dense"], s["acc_dense"]) for s in naive if s.get("acc_dense") is not None]
+    if pairs and len(pairs) == len(seeds):
+        out.append("Paper claim: naive sparse training collapses — " + agree(
+            ["met" if classify_trajectory(a, b) == "collapsed" else "not met" for a, b in pairs],
+            [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
+    return out
+
+
+def caveat(runs: dict[str, list[dict]], config: dict) -> str | None:
+    examples = setting(config, "eval_examples", None)
+    steps = setting(config, "steps", None)
+    small = []
+    if isinstance(examples, int) and examples < MIN_EVAL_EXAMPLES:
+        small.append(f"{examples} held-out examples (< {MIN_EVAL_EXAMPLES})")
+    if isinstance(steps, int) and steps < MIN_STEPS:
+        small.append(f"{steps} steps (< {MIN_STEPS})")
+    seeds = len(next(iter(runs.values()), []))
+    if seeds < 3:
+        small.append(f"{seeds} seed(s) (< 3)")
+    return ("Caveat: verdicts rest on " + ", ".join(small) + "; treat them as indications.") if small else None
+
+
+# ---------------------------------------------------------------------------------- report
+def _mismatch_table(runs: dict[str, list[dict]]) -> str:
+    header = ["Mode"] + [f"{k} ({how})" for k, how in MISMATCH_KEYS]
+    rows = [[mode] + [cell([s.get(k) for s in seeds], ".4g") for k, _ in MISMATCH_KEYS]
+            for mode, seeds in runs.items() if any(s["steps"] for s in seeds)]
+    return markdown(header, rows) if rows else "_No training steps were logged._"
+
+
+def _length_bucket(key: str) -> str:
+    """`flagged_veto_frac_len_<lo>_<hi>` (lo <= length < hi) as the inclusive range the α table uses too."""
+    lo, hi = key.split("_")[-2:]
+    return f"len ≥ {lo}" if hi == "inf" else f"len {lo}–{int(hi) - 1}"
+
+
+def _length_table(runs: dict[str, list[dict]]) -> str:
+    keys = {k for seeds in runs.values() for s in seeds for k in s.get("veto_by_len", {})}
+    ordered = sorted(keys, key=lambda k: int(k.split("_")[-2]))
+    if not ordered:
+        return "_No rejection-by-length metrics were logged._"
+    header = ["Mode"] + [_length_bucket(k) for k in ordered]
+    rows = [[mode] + [cell([s.get("veto_by_len", {}).get(k) for s in seeds], ".3f") for k in ordered]
+            for mode, seeds in runs.items() if any(s["steps"] for s in seeds)]
+    return markdown(header, rows)
+
+
+def write_report(compare_dir: Path) -> Path:
+    """Write the plots and report.md into `compare_dir`; return report.md's path."""
+    from .alpha import alpha_section, alpha_tau
+    from .plots import write_plots
+
+    compare_dir = Path(compare_dir)
+    meta, runs = load(compare_dir)
+    c = meta.get("config") or {}
+    plots = write_plots(compare_dir, runs, alpha_tau(c))
+    g = lambda k: setting(c, k)  # noqa: E731
+    seeds = meta.get("seeds") or [0]
+    note = caveat(runs, c)
+    lines = [
+        "# Sparse-RL comparison report", "",
+        f"Modes: {', '.join(runs)}; seeds {', '.join(map(str, seeds))}. Each run trained {g('steps')} steps on "
+        f"task `{g('task')}` (difficulty {g('difficulty')}; {g('prompts_per_step')} prompts × {g('group_size')} "
+        f"samples per step), held-out set of {g('eval_examples')} prompts."
+        + (f" Started {meta['started']}." if meta.get("started") else ""), "",
+        paper_table(compare_dir), "",
+        "Cells are the mean over seeds with the (min–max) range. Held-out accuracies come from `final_eval.json` "
+        "(incomplete runs: their latest in-training evaluation); exact walks are responses equal to the "
+        "demonstration. KV saved is 1 − mean `kv_kept_frac` of the training rollouts; peak MiB is the largest "
+        "over steps. Final train reward is the mean `reward_mean` over the last 10% of steps.", "",
+        "## Mismatch metrics (over training)", "",
+        "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
+        _mismatch_table(runs), "",
+        "## Sequences flagged by the veto, by response length", "",
+        "Each cell: the fraction of the sequences whose response length (in tokens) is in that bucket that the "
+        "veto flags, mean over steps; the buckets are the quarters of the response bound. A bucket no sequence "
+        "reached in a step is left out of that step's mean.", "",
+        _length_table(runs), "",
+        *alpha_section(runs, c),
+        "## Plots", "", *[f"![{name}]({name})\n" for name in plots],
+        "## Verdicts", "",
+        f"Thresholds: *collapsed* if final dense-inference accuracy < {COLLAPSE_FRAC:.0%} of its step-0 value; "
+        f"*degraded* if more than {DEGRADE_POINTS:.0f} points below step 0; *improved* if more than "
+        f"{DEGRADE_POINTS:.0f} points above; otherwise *held*. A verdict is given only when every seed agrees.", "",
+    ] + ([note, ""] if note else []) + [f"- {sentence}" for sentence in findings(runs, seeds)]
+    path = compare_dir / REPORT_FILE
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,218 @@
+"""A step's rollouts: the sampler, fixed shards of prompt groups, and in-process sampling.
+
+The `Sampler` is the rollout engine (dense, or with its sparsity and budget schedule) plus
+DistillSparse's adapter, switched on while it samples. It only samples (the adapter's training
+and optimizer are the learner's `DistillTrainer`) and takes an integer seed, which makes it the unit a Ray worker wraps (`sparserl.rollout.ray_backend`).
+
+A step's prompt groups are split into `rollout_shards` fixed shards of whole groups; each shard is
+sampled as one batch with its own seed (`plan_shards`). Whether the shards run here one after the
+other (`LocalRollouts`) or on N Ray workers, each sees the same prompts, weights and seed, so the
+step's data do not depend on how many workers there are: N workers reproduce N = 0 exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.loading import sampling_generator
+from .adapter import sampler_context
+from .engine import RolloutBatch, RolloutEngine, SamplingConfig
+from .kv_cache import KVStats
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Whole prompt groups sampled as one batch: `prompts` holds each prompt G times, group by group."""
+
+    index: int
+    prompts: list[list[int]]
+    seed: int
+
+
+def shard_seed(step_seed: int, index: int) -> int:
+    """Shard 0 samples with the step's own seed (so one shard is the unsharded run); the others with
+    independent streams derived from (step seed, index)."""
+    if index == 0:
+        return step_seed
+    return int(np.random.SeedSequence([step_seed, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def plan_shards(prompts: list[list[int]], group_size: int, shards: int, step_seed: int) -> list[Shard]:
+    """Split the step's rows (groups of `group_size` consecutive rows) into `shards` contiguous shards
+    of whole groups, the first ones one group larger when they do not divide evenly."""
+    groups = len(prompts) // group_size
+    if groups * group_size != len(prompts) or not 1 <= shards <= groups:
+        raise ValueError(f"cannot split {len(prompts)} rows in groups of {group_size} into {shards} shards")
+    plan, start = [], 0
+    for index in range(shards):
+        count = groups // shards + (index < groups % shards)
+        rows = slice(start * group_size, (start + count) * group_size)
+        plan.append(Shard(index, prompts[rows], shard_seed(step_seed, index)))
+        start += count
+    return plan
+
+
+@dataclass
+class ShardResult:
+    """One sampled shard. `generator_state` is the shard's sampling generator after sampling (the
+    update's minibatch shuffle continues shard 0's); `version` the weights it was sampled with."""
+
+    index: int
+    batch: RolloutBatch
+    generator_state: torch.Tensor
+    version: int
+    compute_seconds: float
+    weight_load_seconds: float = 0.0
+
+
+@dataclass
+class StepRollouts:
+    """All shards of a step, in shard order, and what sampling them cost."""
+
+    shards: list[RolloutBatch]
+    generator_state: torch.Tensor  # shard 0's, see ShardResult
+    wall_seconds: float  # from the request to the last shard back
+    retries: int = 0  # shards sampled again because their worker died or hung
+    timeouts: int = 0  # of which hung past rollout_timeout
+    timings: dict[str, float] = field(default_factory=dict)  # weight push and transfer (Ray only)
+
+
+class Sampler:
+    """Samples shards with `engine`, DistillSparse's adapter on while it does (when there is one)."""
+
+    def __init__(self, engine: RolloutEngine, adapter=None):
+        self.engine = engine
+        self.adapter = adapter
+
+    def generate(self, shard: Shard, sampling: SamplingConfig, version: int) -> ShardResult:
+        started = time.perf_counter()
+        self.engine.model.eval()
+        generator = sampling_generator(self.engine.model, shard.seed)
+        with sampler_context(self.adapter):
+            batch = self.engine.generate(shard.prompts, sampling, generator)
+        return ShardResult(shard.index, batch, generator.get_state(), version, time.perf_counter() - started)
+
+
+class LocalRollouts:
+    """Shards sampled in this process, one after the other, with the trainer's own model."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.version = 0
+
+    def sync_weights(self, model, version: int) -> None:
+        self.version = version  # the sampler is the trainer's model: nothing to copy
+
+    def generate(self, shards: list[Shard], sampling: SamplingConfig, compression) -> StepRollouts:
+        started = time.perf_counter()
+        self.sampler.engine.compression = compression
+        results = [self.sampler.generate(shard, sampling, self.version) for shard in shards]
+        return StepRollouts([r.batch for r in results], results[0].generator_state, time.perf_counter() - started)
+
+    def close(self) -> None:
+        pass
+
+
+def make_rollouts(config, engine: RolloutEngine, adapter, device: torch.device):
+    """In-process rollouts, or `config.rollout.rollout_workers` Ray workers sampling with `engine`'s settings."""
+    if not config.rollout.rollout_workers:
+        return LocalRollouts(Sampler(engine, adapter))
+    from .adapter import adapter_config
+    from .ray_backend import RayRollouts
+
+    return RayRollouts(config.rollout, engine.model.config, config.model.dtype, device, config.model.threads,
+                       adapter_config(config.train) if adapter is not None else None, engine.compression,
+                       engine.record_evictions, engine.record_distributions)
+
+
+def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """One batch of the shards' rows for the learner: prompts left-padded and responses right-padded
+    to the widest shard. The shards' eviction records and sampler distributions refer to their own
+    column layouts, so the merged batch carries none; the replay and α read the shards themselves.
+    One shard is returned as it is."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b.prompt_ids.shape[1] for b in batches)
+    span = max(b.response_ids.shape[1] for b in batches)
+
+    def pad(tensors, size, value, left=False):
+        padded = []
+        for t in tensors:
+            extra = size - t.shape[1]
+            fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+            padded.append(torch.cat([fill, t] if left else [t, fill], dim=1))
+        return torch.cat(padded)
+
+    return RolloutBatch(
+        prompt_ids=pad([b.prompt_ids for b in batches], width, pad_token_id, left=True),
+        prompt_mask=pad([b.prompt_mask for b in batches], width, False, left=True),
+        response_ids=pad([b.response_ids for b in batches], span, pad_token_id),
+        response_mask=pad([b.response_mask for b in batches], span, 0.0),
+        sampler_logprobs=pad([b.sampler_logprobs for b in batches], span, 0.0),
+        prompt_lengths=torch.cat([b.prompt_lengths for b in batches]),
+        response_lengths=torch.cat([b.response_lengths for b in batches]),
+        ended=torch.cat([b.ended for b in batches]),
+        rollout_seconds=sum(b.rollout_seconds for b in batches),
+        kv=merge_kv_stats([b.kv for b in batches], [len(b) for b in batches]),
+    )
+
+
+def merge_kv_stats(stats: list[KVStats], rows: list[int]) -> KVStats:
+    """Byte counts, compressions and times add up over shards; per-row tensors are concatenated;
+    fractions are averaged weighted by rows."""
+    merged = {}
+    for f in dataclasses.fields(KVStats):
+        values = [getattr(s, f.name) for s in stats]
+        if any(v is None for v in values):
+            merged[f.name] = None
+        elif isinstance(values[0], torch.Tensor):
+            merged[f.name] = torch.cat(values)
+        elif isinstance(values[0], dict):
+            merged[f.name] = {k: sum(v.get(k, 0) for v in values) for k in values[0]}
+        elif f.name.endswith("_frac"):
+            merged[f.name] = sum(v * n for v, n in zip(values, rows)) / max(sum(rows), 1)
+        else:
+            merged[f.name] = sum(values)
+    return KVStats(**merged)
+
+
+def move_to(value, device: torch.device):
+    """`value` (a tensor, or a dataclass, list, tuple or dict holding tensors) with every tensor on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: move_to(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: move_to(v, device) for k, v in value.items()}
+    return value
+
+
+def rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor, rollouts: StepRollouts) -> dict[str, float]:
+    """What a step's rollouts earned and cost. batch: the merged shards; rewards: [N]."""
+    lengths = batch.response_lengths.float()
+    kv = batch.kv
+    return {
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "accuracy": float((rewards >= 1.0).float().mean()),
+        "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
+        "truncated_frac": float((~batch.ended).float().mean()),
+        "kv_peak_bytes": kv.kv_peak_bytes, "kv_dense_bytes": kv.kv_dense_bytes,
+        "kv_peak_frac": kv.kv_peak_bytes / max(kv.kv_dense_bytes, 1),
+        "kv_kept_tokens_mean": float(kv.kept_tokens.mean()),
+        "kv_evicted_tokens_mean": float(kv.evicted_tokens.mean()),
+        "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
+        "kv_compressions": kv.compressions,
+        "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
+        "kv_attended_frac": kv.attended_frac,
+        "rollout_s": rollouts.wall_seconds,
+        "tokens_per_s": float(batch.response_mask.sum()) / max(rollouts.wall_seconds, 1e-9),
+        "rollout_retries": rollouts.retries, "rollout_timeouts": rollouts.timeouts, **rollouts.timings,
+    }

@@ -1,0 +1,1 @@
+"""One training run: its evaluation, checkpoints, run directory, metrics file and file names."""

@@ -1,0 +1,404 @@
+"""The GRPO trainer: prompts → rollouts (dense or sparse) → rewards → dense recompute → corrections → update.
+
+One `GRPOTrainer` runs every mode; the mode's preset (`sparserl.config.presets`) decides whether rollouts
+are compressed, and the config's resolved `correction` which corrections apply. Every step is a pure function of
+(weights, optimizer state, seed, step): prompts and sampling noise are seeded per step, which is
+what makes a resumed run repeat an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config.corrections import CorrectionConfig
+from ..config.presets import load_preset
+from ..config.schema import ExperimentConfig, calibration_budgets
+from ..learner.alpha import bin_tails, rollout_alpha_metrics
+from ..learner.corrections import compute_corrections, rejection_by_length
+from ..learner.distill import DistillTrainer, distill_config
+from ..learner.grpo import group_advantages, ppo_loss, token_coefficients
+from ..model.forward import batched_logprobs, micro_batches, response_logprobs
+from ..model.loading import load_policy, resolve_device
+from ..rewards.runner import RewardRunner
+from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
+from ..rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
+from ..rollout.sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
+from ..rollout.schedule import AdaptiveBudget, BinnedBudget
+from ..tasks.base import walk_metrics
+from ..tasks.registry import max_new_tokens, task_from_config
+from .calibration import calibrate_schedule
+from .checkpoint import TrainerState, load_adapter, load_trainer_state, save_checkpoint
+from .evaluation import decode_responses, greedy_scores, response_ids, task_rewards
+from .layout import POLICY_DIR
+from .metrics import MetricsLogger
+from .run_dir import Resume, StopRequest, open_run_dir
+
+LENGTH_BUCKETS = 4
+# What Sparse-RL's filters would flag, logged under these names in every mode (whatever the mode
+# applies) so that the mismatch is comparable across modes; the unprefixed metrics are what was applied.
+FLAGGED_METRICS = {"rejected_seq_frac": "flagged_veto_frac", "band_mask_frac": "flagged_band_frac",
+                   "rejected_sequences": "flagged_vetoed_sequences"}
+REFERENCE_CORRECTIONS = CorrectionConfig.sparse_rl()
+OUT_OF_RANGE_FRAC = 0.3  # a first-step filter rate above this says the regime is outside the method's range
+
+
+class CorrectionsStarved(ValueError):
+    """Every response token was rejected for `max_rejected_steps` steps in a row. A ValueError, so the
+    command line reports it as a setting to change (mode, thresholds, budget), not as a crash."""
+
+
+def step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM: the run stopped at a step boundary after saving a checkpoint."""
+
+    def __init__(self, step: int, run_dir: Path):
+        super().__init__(f"interrupted at step {step}; the last checkpoint is step {step} in {run_dir}")
+        self.step = step
+
+
+class GRPOTrainer:
+    def __init__(self, config: ExperimentConfig, resume: Resume = "never", overwrite: bool = False,
+                 allow_config_change: bool = False):
+        self.config = config
+        self.run = open_run_dir(config, resume, overwrite, allow_config_change)
+        try:
+            self._build(config, self.run.resume_checkpoint)
+        except BaseException:
+            self.run.release(failed=True)
+            raise
+
+    def _build(self, config: ExperimentConfig, checkpoint: Path | None) -> None:
+        self.run_dir = self.run.path
+        if config.model.threads:
+            torch.set_num_threads(config.model.threads)
+        torch.manual_seed(config.train.seed)
+        dtype = getattr(torch, config.model.dtype)
+        source = str(checkpoint / POLICY_DIR) if checkpoint else config.model.model
+        self.device = resolve_device(config.model.device)
+        self.model, self.tokenizer = load_policy(source, dtype, self.device)
+        self.reference = None
+        if config.train.kl_coef > 0:
+            self.reference = load_policy(config.model.model, dtype, self.device)[0].eval().requires_grad_(False)
+        self.task = task_from_config(config.task)
+        self.max_new_tokens = max_new_tokens(config.task, self.task)
+        self.reward = RewardRunner.from_spec(config.train.reward_funcs, config.train.reward_weights, self.task.reward,
+                                             timeout_s=config.train.reward_timeout,
+                                             max_failure_frac=config.train.max_reward_failure_frac)
+        self.eval_rewards = task_rewards(config, self.task)
+        self.adapter, self.distill = None, None
+        if config.train.distill_sparse:
+            self.adapter = SamplerAdapter(self.model, adapter_config(config.train))
+            self.distill = DistillTrainer(self.adapter, distill_config(config.train))
+            if checkpoint is not None:
+                load_adapter(self.distill, checkpoint)
+        policy_parameters = [p for name, p in self.model.named_parameters()
+                             if self.adapter is None or self.adapter.is_policy_parameter(name)]
+        self.optimizer = torch.optim.AdamW(policy_parameters, lr=config.train.lr,
+                                           weight_decay=config.train.weight_decay)
+        self.state = TrainerState()
+        if checkpoint is not None:
+            self.state = load_trainer_state(checkpoint, self.optimizer)
+        self.compression = sparsity_from_config(config.rollout)  # eviction or block-sparse attention
+        if isinstance(self.compression.schedule, AdaptiveBudget) and self.state.kv_budgets:
+            self.compression.schedule.budgets = list(self.state.kv_budgets)
+        elif config.rollout.recalibrate_every and self.state.kv_budgets:  # the last recalibration's schedule
+            self.compression = dataclasses.replace(
+                self.compression, schedule=BinnedBudget(config.rollout.alpha_bin_size, tuple(self.state.kv_budgets)))
+        self.sparse = load_preset(config.train.mode).sparse_rollouts
+        self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
+                                    record_evictions=self.adapter is not None,  # DistillSparse's replay needs them
+                                    record_distributions=self.sparse)
+        self.rollouts = make_rollouts(config, self.engine, self.adapter, self.device)
+        self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
+        self.corrections = config.correction
+        self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
+        self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
+                                    run_name=self.run_dir.name, config=config.to_dict())
+        self._starve_warned = False
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> TrainerState:
+        """Run to `steps`; a SIGINT or SIGTERM stops at the next step boundary with a checkpoint."""
+        cfg = self.config
+        stop = StopRequest()
+        failed = True
+        try:
+            with stop:
+                if self.state.step == 0 and cfg.output.eval_every:
+                    self.logger.log({"step": 0, **self.evaluate()})
+                bar = tqdm(total=cfg.train.steps, initial=self.state.step, desc=f"train {cfg.train.mode}",
+                           unit="step")
+                try:
+                    while self.state.step < cfg.train.steps:
+                        step = self.state.step + 1
+                        record = self.train_step(step)
+                        self.state.step = step
+                        if cfg.output.eval_every and (step % cfg.output.eval_every == 0 or step == cfg.train.steps):
+                            record.update(self.evaluate())
+                        self.logger.log(record)
+                        if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or stop.requested:
+                            save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.optimizer,
+                                            cfg, cfg.output.keep_checkpoints, self.distill)
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
+                                        len=f"{record['response_len_mean']:.0f}")
+                        if stop.requested:
+                            raise TrainingInterrupted(step, self.run_dir)
+                finally:
+                    bar.close()
+            failed = False
+        finally:
+            self.rollouts.close()
+            self.logger.close()
+            self.run.release(failed)
+        return self.state
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out greedy accuracy under dense inference, and under sparse inference if asked."""
+        self.model.eval()
+        inferences = {"dense": None}
+        if self.config.output.eval_sparse_inference:
+            inferences["sparse"] = self.compression
+        result = {}
+        for inference, compression in inferences.items():
+            with self.sampler() if compression else contextlib.nullcontext():
+                scores = greedy_scores(self.model, self.tokenizer, self.task, self.eval_examples,
+                                       self.max_new_tokens, compression=compression, rewards=self.eval_rewards)
+            result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
+        counts = self.eval_rewards.pop_counts()
+        result.update({f"eval_{name}": counts[name] for name in ("reward_failures", "reward_timeouts")})
+        return result
+
+    def sampler(self):
+        """Context of the sparse sampler: DistillSparse's adapter on inside (nothing without one)."""
+        return sampler_context(self.adapter)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        started = time.perf_counter()
+        seed = step_seed(cfg.train.seed, step)
+        examples = self.task.examples(cfg.rollout.prompts_per_step, seed=seed, split="train")
+        group = cfg.rollout.group_size
+        prompts = [self.tokenizer(e.prompt).input_ids for e in examples for _ in range(group)]
+        self.model.eval()
+        sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
+                                  eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id)
+        recalibration = self._recalibrate(step) if self._recalibrates_at(step) else {}
+        budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
+        self.rollouts.sync_weights(self.model, self.state.step)
+        rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
+                                          self.compression if self.sparse else None)
+        batch = concat_rollouts(rollouts.shards, self.tokenizer.pad_token_id)
+        # The minibatch shuffle continues shard 0's sampling generator (as it did before rollouts were sharded).
+        generator = torch.Generator(self.device).set_state(rollouts.generator_state)
+        texts = decode_responses(self.tokenizer, batch)
+        rewards = torch.tensor(self.reward.score_examples(examples, texts, response_ids(batch), group),
+                               dtype=torch.float32, device=self.device)
+
+        recompute_started = time.perf_counter()
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        width = batch.prompt_ids.shape[1]
+        mb = cfg.train.micro_batch_size
+        first_forward = None
+        if cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb:
+            # One optimizer step from one forward: that forward, at the current weights, is the dense
+            # recompute of π_old, so it is done once with gradients and reused (as TRL does).
+            self.model.train()
+            first_forward = response_logprobs(self.model, input_ids, attention_mask, width,
+                                              with_entropy=cfg.train.entropy_coef > 0)
+            logp_old = first_forward[0].detach()
+        else:
+            logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
+        logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
+                    if self.reference is not None else None)
+        # α needs the sampler's whole distributions and the pre-update weights.
+        acceptance = {} if not self.sparse else rollout_alpha_metrics(
+            self.model, rollouts.shards, cfg.rollout.temperature, cfg.rollout.alpha_bin_size, micro_batch_size=mb,
+            sampler_context=self.sampler)
+        if isinstance(self.compression.schedule, AdaptiveBudget):  # the next step's budgets, from this step's tail
+            self.compression.schedule.update(bin_tails(acceptance))
+            self.state.kv_budgets = list(self.compression.schedule.budgets)
+        corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
+        # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
+        flagged = corrections if self.corrections == REFERENCE_CORRECTIONS else \
+            compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, REFERENCE_CORRECTIONS)
+        included = None if cfg.train.rejected_in_baseline else corrections.seq_keep
+        advantages = group_advantages(rewards, group, included)
+        recompute_s = time.perf_counter() - recompute_started
+
+        update_started = time.perf_counter()
+        keep = corrections.keep_mask
+        rejected = 1.0 - float(keep.sum()) / max(float(batch.response_mask.sum()), 1.0)
+        filter_rates = {k: v for k, v in corrections.metrics.items() if k.startswith("applied_")}
+        if step == 1 and any(v > OUT_OF_RANGE_FRAC for v in filter_rates.values()):
+            worst = max(filter_rates, key=filter_rates.get)
+            warnings.warn(f"step 1: {worst} = {filter_rates[worst]:.0%} (> {OUT_OF_RANGE_FRAC:.0%}): the sparse-vs-dense "
+                          f"mismatch is likely outside the range of mode {cfg.train.mode}'s filters; consider a larger "
+                          "--kv-budget, a calibrated --kv-schedule, or a mode without rejection (docs/results.md)")
+        starving = bool(filter_rates) and rejected > cfg.train.warn_rejected_frac
+        if starving:
+            self.state.starving_steps += 1
+            if not self._starve_warned:  # once per run; the count is in the metrics and the summary
+                self._starve_warned = True
+                warnings.warn(f"step {step}: corrections rejected {rejected:.0%} of response tokens "
+                              f"(warn_rejected_frac={cfg.train.warn_rejected_frac}); training may starve. "
+                              "Further such steps are counted in `starving_steps`, not warned about")
+        skipped = float(keep.sum()) == 0
+        self.state.rejected_in_a_row = self.state.rejected_in_a_row + 1 if skipped else 0
+        if self.state.rejected_in_a_row >= cfg.train.max_rejected_steps:
+            raise CorrectionsStarved(
+                f"step {step}: the corrections rejected every response token for {self.state.rejected_in_a_row} steps "
+                f"in a row (max_rejected_steps={cfg.train.max_rejected_steps}); mode {cfg.train.mode} cannot train in "
+                "this regime. Loosen its filters (--veto-threshold, --band, --seq-geo-bounds, --seq-k3-max), raise "
+                f"--kv-budget, or use a mode without rejection. The last checkpoint is in {self.run_dir}")
+        if skipped:
+            self.state.skipped_steps += 1
+            warnings.warn(f"step {step}: every response token was rejected; skipping the update "
+                          f"({self.state.skipped_steps} skipped so far)")
+            update = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
+                      "ratio_mean": 1.0, "grad_norm": 0.0, "optimizer_steps": 0}
+        else:
+            update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator,
+                                  first_forward)
+            if self.distill is not None:
+                update.update(self.distill.train_step(rollouts.shards, advantages, mb))
+        update_s = time.perf_counter() - update_started
+
+        diagnostics = {**_kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),
+                       **_kept_vs_rejected(rewards, batch.response_lengths, corrections.seq_keep, "", "rejected"),
+                       **_kept_advantages(advantages, keep)}
+        diagnostics.update(walk_metrics(self.task, texts, examples, group))
+        counts = self.reward.pop_counts()  # failures, timeouts and each reward function's mean
+        self.state.reward_failures += counts["reward_failures"]
+        self.state.reward_timeouts += counts["reward_timeouts"]
+        return {
+            "step": step,
+            **rollout_metrics(batch, rewards, rollouts),
+            **update,
+            **corrections.metrics,
+            **{flagged_name: flagged.metrics[name] for name, flagged_name in FLAGGED_METRICS.items()},
+            **{"flagged_" + key: value for key, value in
+               rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()).items()},
+            **diagnostics,
+            **acceptance,
+            **budgets_used,
+            **recalibration,
+            "rejected_token_frac": rejected,
+            "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
+            "starving_steps": self.state.starving_steps,
+            **counts,
+            "recompute_s": recompute_s, "update_s": update_s, "step_s": time.perf_counter() - started,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+
+    def _update(self, batch: RolloutBatch, logp_old, logp_ref, advantages, weights, keep, generator,
+                first_forward=None) -> dict:
+        """PPO epochs over shuffled minibatches; `first_forward` is the already-run forward of a fused step."""
+        cfg = self.config.train
+        self.model.train()
+        rows = len(batch)
+        size = rows // cfg.minibatches
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        width = batch.prompt_ids.shape[1]
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
+        grad_norms, steps = [], 0
+        for _ in range(cfg.epochs):
+            order = torch.arange(rows) if first_forward is not None else \
+                torch.randperm(rows, generator=generator, device=generator.device).cpu()
+            for start in range(0, rows, size):
+                index = order[start:start + size]
+                coefficients = token_coefficients(keep[index], cfg.loss_agg)
+                if float(coefficients.sum()) == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for part in micro_batches(len(index), cfg.micro_batch_size):
+                    rows_part = index[part]
+                    logp_new, entropy = first_forward if first_forward is not None else response_logprobs(
+                        self.model, input_ids[rows_part], attention_mask[rows_part], width,
+                        with_entropy=cfg.entropy_coef > 0)
+                    terms = ppo_loss(logp_new, logp_old[rows_part], advantages[rows_part], weights[rows_part],
+                                     coefficients[part], cfg.clip_eps, cfg.clip_eps_high,
+                                     cfg.kl_coef, None if logp_ref is None else logp_ref[rows_part],
+                                     cfg.entropy_coef, entropy)
+                    terms.loss.backward()
+                    share = len(rows_part) / len(index)
+                    for key in totals:
+                        value = float(terms.loss.detach()) if key == "loss" else getattr(terms, key)
+                        totals[key] += value if key in ("loss", "pg_loss", "kl", "entropy") else value * share
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+                self.optimizer.step()
+                steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        averaged = {k: v / max(steps, 1) for k, v in totals.items()}
+        return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
+
+    # ------------------------------------------------------------------ schedules
+    def _recalibrates_at(self, step: int) -> bool:
+        every = self.config.rollout.recalibrate_every
+        # Steps 1, N+1, 2N+1, ...; step 1 only when no schedule file was given to start from.
+        return bool(every) and (step - 1) % every == 0 and (step > 1 or not self.config.rollout.kv_schedule)
+
+    def _recalibrate(self, step: int) -> dict[str, float]:
+        """Sparrow's calibration on the current weights and this step's prompts; the schedule it finds
+        replaces the one in force from this step on."""
+        rollout = self.config.rollout
+        started = time.perf_counter()
+        self.model.eval()
+        examples = self.task.examples(rollout.calibration_prompts, seed=step_seed(self.config.train.seed, step),
+                                      split="train")
+        found = calibrate_schedule(self.model, self.tokenizer, self.max_new_tokens, rollout, examples,
+                                   calibration_budgets(rollout),
+                                   rollout.alpha_tau, rollout.alpha_bin_size, rollout.calibration_samples,
+                                   step_seed(self.config.train.seed, step), progress=False)
+        self.compression = dataclasses.replace(self.compression, schedule=found.schedule)
+        self.state.kv_budgets = list(found.schedule.budgets)
+        return {"recalibrated": 1, "recalibrate_s": time.perf_counter() - started,
+                "recalibration_unmet_bins": len(found.unmet_bins)}
+
+    def _schedule_metrics(self) -> dict[str, float]:
+        """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
+        schedule = self.compression.schedule if self.sparse else None
+        if schedule is None:
+            return {}
+        return {f"kv_budget_len_{i * schedule.bin_size}": float(b) for i, b in enumerate(schedule.budgets)}
+
+    def _length_edges(self) -> list[int]:
+        top = self.max_new_tokens
+        return [math.ceil(top * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]
+
+
+def _kept_vs_rejected(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: torch.Tensor, prefix: str,
+                      rejected: str) -> dict[str, float]:
+    """Reward and length of the rollouts a filter keeps vs removes whole: does it separate good from bad?"""
+    out = {}
+    for name, rows in (("kept", seq_keep), (rejected, ~seq_keep)):
+        if bool(rows.any()):
+            out[f"{prefix}reward_{name}_mean"] = float(rewards[rows].mean())
+            out[f"{prefix}response_len_{name}_mean"] = float(lengths[rows].float().mean())
+    return out
+
+
+def _kept_advantages(advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    """The advantages that still train after the filters. Group advantages sum to 0; a filter that
+    removes more of one sign leaves a net push (`kept_advantage_sum` ≠ 0) on the kept rows.
+
+    advantages: [B]; keep: [B, T] 0/1.
+    """
+    rows = keep.sum(dim=1) > 0
+    kept = advantages[rows]
+    return {"kept_advantage_sum": float(kept.sum()),
+            "kept_advantage_mean": float(kept.mean()) if len(kept) else 0.0,
+            "kept_advantage_token_mean": float((advantages[:, None] * keep).sum() / keep.sum().clamp(min=1))}

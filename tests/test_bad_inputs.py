@@ -1,0 +1,41 @@
+"""Out-of-range values of the commands' own flags, and a malformed schedule file, are refused at
+once with one line that names the flag (or file) and the valid range; no model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparserl.cli import main
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["calibrate", "--tau", "1.5"], "--tau 1.5 is out of range: τ is a probability"),
+    (["calibrate", "--tau", "0"], "--tau 0 is out of range"),
+    (["calibrate", "--bin-size", "0"], "--bin-size 0 is out of range"),
+    (["calibrate", "--prompts", "-1"], "--prompts -1 is out of range"),
+    (["calibrate", "--samples", "0"], "--samples 0 is out of range"),
+    (["calibrate", "--budgets", "32,-8"], "--budgets '32,-8': give one or more comma-separated integers >= 1"),
+    (["eval", "--n", "0"], "--n 0 is out of range: the number of held-out prompts, at least 1"),
+    (["eval", "--samples", "-1"], "--samples -1 is out of range"),
+    (["sweep", "--n", "0"], "--n 0 is out of range"),
+    (["sweep", "--sample-prompts", "0"], "--sample-prompts 0 is out of range"),
+    (["sweep", "--samples", "0"], "--samples 0 is out of range"),
+    (["sweep", "--budgets", "0"], "--budgets '0'"),
+    (["audit", "--n", "-3"], "--n -3 is out of range"),
+])
+def test_an_out_of_range_flag_is_one_line_naming_it(argv, needle, tmp_path, capsys):
+    out = tmp_path / ("dir" if argv[0] == "calibrate" else "out.json")
+    assert main([argv[0], "--out", str(out), *argv[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+    assert not out.exists()
+
+
+def test_a_malformed_schedule_file_is_one_line_with_the_file_and_line(tmp_path, capsys):
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text("bin_size: 16\nbudgets: [24, 32\n  oops: :\n")
+    assert main(["train", "--out", str(tmp_path / "run"), "--mode", "sparrow", "--kv-schedule", str(schedule),
+                 "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"--kv-schedule {schedule}: invalid YAML at line 3" in err and "bin_size: N" in err
