@@ -233,3 +233,13 @@ def test_block_sparse_training_with_distill_sparse_replays_the_pages(tiny_model_
     steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
     assert all(r["kv_attended_frac"] < 0.9 and r["kv_peak_frac"] >= 1.0 and r["kv_compressions"] == 0 for r in steps)
     assert all(r["distill_logp_gap"] >= 0 and r["distill_grad_norm"] > 0 for r in steps)
+
+
+def test_a_sudden_slow_step_is_said_in_one_line():
+    from sparserl.train.trainer import slow_step_message
+
+    assert slow_step_message([1.0, 1.1], 50.0, 3) is None  # too few steps to know the run's pace
+    assert slow_step_message([1.0, 1.2, 0.9, 1.1], 4.1, 5) is None  # median 1.05: 4.1 s is within 4x (4.2 s)
+    message = slow_step_message([1.0, 1.2, 0.9, 1.1], 13.0, 5)
+    assert message is not None and "\n" not in message
+    assert "13.0 s, 12.4x this run's median step (1.1 s)" in message and "--threads 1" in message

@@ -42,6 +42,22 @@ from .metrics import MetricsLogger
 from .run_dir import Resume, StopRequest, open_run_dir
 
 LENGTH_BUCKETS = 4
+SLOW_STEP_FACTOR = 4.0  # a step this many times the run's median step time so far is said
+SLOW_STEP_AFTER = 3  # steps the median needs first
+
+
+def slow_step_message(earlier: list[float], seconds: float, step: int) -> str | None:
+    """One line when `seconds` exceeds SLOW_STEP_FACTOR × the median of `earlier` step times (after
+    SLOW_STEP_AFTER of them): on a shared machine, competing jobs' threads slow every step."""
+    if len(earlier) < SLOW_STEP_AFTER:
+        return None
+    ordered = sorted(earlier)
+    median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+    if seconds <= SLOW_STEP_FACTOR * median:
+        return None
+    return (f"step {step} took {seconds:.1f} s, {seconds / median:.1f}x this run's median step ({median:.1f} s): "
+            "the machine is loaded; other jobs compete for the cores. Run one job per core (--threads 1 each) "
+            "or stop the other jobs")
 # What Sparse-RL's filters would flag, logged under these names in every mode (whatever the mode
 # applies) so that the mismatch is comparable across modes; the unprefixed metrics are what was applied.
 FLAGGED_METRICS = {"rejected_seq_frac": "flagged_veto_frac", "band_mask_frac": "flagged_band_frac",
@@ -139,11 +155,18 @@ class GRPOTrainer:
                     self.logger.log({"step": 0, **self.evaluate()})
                 bar = tqdm(total=cfg.train.steps, initial=self.state.step, desc=f"train {cfg.train.mode}",
                            unit="step")
+                step_seconds: list[float] = []
                 try:
                     while self.state.step < cfg.train.steps:
                         step = self.state.step + 1
                         record = self.train_step(step)
                         self.state.step = step
+                        # A recalibration step does more work by design: its time says nothing of the machine.
+                        working = record["step_s"] - record.get("recalibrate_s", 0.0)
+                        message = slow_step_message(step_seconds, working, step)
+                        if message:
+                            warnings.warn(message)
+                        step_seconds.append(working)
                         if cfg.output.eval_every and (step % cfg.output.eval_every == 0 or step == cfg.train.steps):
                             record.update(self.evaluate())
                         self.logger.log(record)
