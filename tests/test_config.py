@@ -19,7 +19,7 @@ def _write(tmp_path, text: str, name: str = "config.yaml"):
 # ----------------------------------------------------------------------------- defaults
 def test_defaults_match_the_spec_reference_values():
     config = load_config(overrides={"mode": "sparse-rl"})
-    # SPEC §3 reference values: the sparse-rl preset.
+    # The published Sparse-RL values: the sparse-rl preset.
     assert config.correction.veto_threshold == 1e-4 and config.correction.veto_scope == "sequence"
     assert config.correction.band == (0.5, 1.5)
     assert config.correction.is_mode == "truncate"
@@ -32,7 +32,7 @@ def test_defaults_match_the_spec_reference_values():
     assert config.train.loss_agg == "seq-mean-token-mean"
     assert config.rollout.temperature == 1.0
     assert config.rollout.group_size == 8
-    # Project defaults (the laptop experiment of SPEC §6).
+    # Project defaults (the laptop experiment of the README).
     assert load_config().train.mode == "dense"
     # The built-in experiment's paper regime, measured by `sparserl sweep` (docs/results.md); its config
     # file must agree with the default.
@@ -187,6 +187,13 @@ def test_integers_accept_integral_floats_and_strings():
     ({"temperature": 0}, ("temperature",)),
     ({"clip_eps": 1.0}, ("clip_eps",)),
     ({"kl_coef": -1}, ("kl_coef",)),
+    ({"weight_decay": -0.1}, ("weight_decay",)),
+    ({"grad_clip": 0}, ("grad_clip",)),
+    ({"entropy_coef": -0.01}, ("entropy_coef",)),
+    ({"warn_rejected_frac": 1.5}, ("warn_rejected_frac",)),
+    ({"threads": -1}, ("threads",)),
+    ({"threads": "many"}, ("threads",)),
+    ({"mode": "geo-rs", "distill_sparse": True, "distill_alpha": 0}, ("distill_alpha",)),
 ])
 def test_cross_field_errors_name_the_fields(overrides, names):
     with pytest.raises(ConfigError) as info:

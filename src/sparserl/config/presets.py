@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import ConfigError
 from .corrections import CorrectionConfig
 
 
@@ -31,38 +32,54 @@ class Preset:
     correction: CorrectionConfig
     summary: str
     needs_schedule: bool = False  # runs under --kv-schedule (a calibrated file; `adaptive` when none is given)
+    colour: str | None = None  # its line in the report's plots (None: matplotlib's cycle)
+    # What the report's verdicts compare it as: baseline (dense), uncorrected (naive sparse), published
+    # (Sparse-RL as its paper runs it), recommended (our choice of correction); "" for the others.
+    role: str = ""
+    compared_by_default: bool = False  # one of `sparserl compare`'s default --modes
     # A YAML preset's correction fields as written (the config module coerces them); empty for built-ins.
     correction_overrides: dict = dataclasses.field(default_factory=dict)
 
 
-def _builtin(name: str, sparse: bool, make: Callable[[], CorrectionConfig], summary: str,
-             needs_schedule: bool = False) -> Preset:
-    return Preset(name, sparse, make(), summary, needs_schedule)
+def _builtin(name: str, sparse: bool, make: Callable[[], CorrectionConfig], summary: str, colour: str,
+             **metadata) -> Preset:
+    return Preset(name, sparse, make(), summary, colour=colour, **metadata)
 
 
-# The recommended correction, chosen on the built-in experiment (docs/results.md, "Corrections").
-RECOMMENDED = "geo-rs"
+def mode_with_role(role: str) -> str:
+    """The built-in mode the report's verdicts treat as `role` (baseline, uncorrected, published, recommended)."""
+    return next(name for name, preset in PRESETS.items() if preset.role == role)
 
+
+# The recommended correction (role="recommended") was chosen on the built-in experiment (docs/results.md,
+# "Corrections").
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    _builtin("dense", False, CorrectionConfig.off, "dense rollouts, no correction (the baseline)"),
-    _builtin("naive-sparse", True, CorrectionConfig.off, "sparse rollouts, no correction"),
+    _builtin("dense", False, CorrectionConfig.off, "dense rollouts, no correction (the baseline)", "#1f77b4",
+             role="baseline", compared_by_default=True),
+    _builtin("naive-sparse", True, CorrectionConfig.off, "sparse rollouts, no correction", "#d62728",
+             role="uncorrected", compared_by_default=True),
     _builtin("sparse-rl", True, CorrectionConfig.sparse_rl,
-             "Sparse-RL as published: sequence veto 1e-4, band [0.5, 1.5], batch-normalised TIS"),
-    _builtin("sparse-tis", True, CorrectionConfig.sparse_tis, "Sparse-RL's importance weights alone"),
-    _builtin("sparse-rs", True, CorrectionConfig.sparse_rs, "Sparse-RL's rejection alone (veto and band)"),
-    _builtin("geo-rs", True, CorrectionConfig.geo_rs, "verl's Geo-RS: geometric-mean sequence filter plus veto"),
-    _builtin("k3-rs", True, CorrectionConfig.k3_rs, "verl's seq_mean_k3: mean-k3 sequence filter"),
+             "Sparse-RL as published: sequence veto 1e-4, band [0.5, 1.5], batch-normalised TIS", "#2ca02c",
+             role="published", compared_by_default=True),
+    _builtin("sparse-tis", True, CorrectionConfig.sparse_tis, "Sparse-RL's importance weights alone", "#ff7f0e"),
+    _builtin("sparse-rs", True, CorrectionConfig.sparse_rs, "Sparse-RL's rejection alone (veto and band)", "#9467bd"),
+    _builtin("geo-rs", True, CorrectionConfig.geo_rs, "verl's Geo-RS: geometric-mean sequence filter plus veto",
+             "#e377c2", role="recommended"),
+    _builtin("k3-rs", True, CorrectionConfig.k3_rs, "verl's seq_mean_k3: mean-k3 sequence filter", "#7f7f7f"),
     _builtin("seq-mask-tis", True, CorrectionConfig.seq_mask_tis,
-             "OpenRLHF/NeMo-RL seq-mask-tis: geometric-mean sequence mask plus token TIS"),
+             "OpenRLHF/NeMo-RL seq-mask-tis: geometric-mean sequence mask plus token TIS", "#bcbd22"),
     _builtin("prefix-veto-tis", True, CorrectionConfig.prefix_veto_tis,
-             "Sparse-RL's TIS with a prefix veto: mask from the first ξ < 1e-4 onward"),
+             "Sparse-RL's TIS with a prefix veto: mask from the first ξ < 1e-4 onward", "#17becf"),
 )}
+RECOMMENDED = mode_with_role("recommended")
 PRESETS["sparrow"] = Preset("sparrow", True, PRESETS[RECOMMENDED].correction,
                             f"scheduled sparse rollouts (--kv-schedule) with the recommended correction ({RECOMMENDED})",
-                            needs_schedule=True)
+                            needs_schedule=True, colour="#8c564b")
+DEFAULT_COMPARE = tuple(name for name, preset in PRESETS.items() if preset.compared_by_default)
 
 
-class PresetError(ValueError):
+
+class PresetError(ConfigError):
     pass
 
 

@@ -18,14 +18,13 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from ..errors import ConfigError
+from ..rollout.kv_policies import build_policy, policy_options
+from ..tasks.registry import task_class
 from .corrections import CorrectionConfig
 from .presets import PRESETS, PresetError, load_preset
 
 MODES: tuple[str, ...] = tuple(PRESETS)
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key and what is allowed."""
 
 
 @dataclass
@@ -33,12 +32,12 @@ class ModelConfig:
     model: str | None = None  # a Hugging Face model directory (or a run directory or checkpoint, for eval); none: the built-in model
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights' dtype (log-probs, ratios and α are float32)
     device: str = "auto"  # where the model runs: auto (cuda when present, else cpu), cpu, cuda or cuda:N
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default (fix it: it changes float sums and so trajectories)
+    threads: int | Literal["auto"] = "auto"  # torch CPU threads: auto (1 for a small model, else the free cores; a resumed run keeps its count), a count, or 0 for torch's default
 
 
 @dataclass
 class TaskConfig:
-    task: str = "pointer_walk"  # pointer_walk | math_jsonl | reasoning_gym | gym:<dataset>
+    task: str = "pointer_walk"  # a registered task (tasks/), or gym:<dataset>
     difficulty: int = 26  # pointer_walk: the longest cycle (3..26); each prompt draws its own length and hop count
     min_difficulty: int = 0  # pointer_walk: the shortest cycle; 0 = difficulty - 10 (at least 3)
     data_path: str | None = None  # math_jsonl: the JSONL file, one JSON object per line
@@ -67,11 +66,6 @@ class RolloutConfig:
     calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
     calibration_samples: int = 4  # sampled rollouts per calibration prompt
     kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
-    kv_lambda: float = 0.1  # rkv: weight of importance against redundancy
-    kv_similarity_threshold: float = 0.5  # rkv: key cosine similarity above which the older twin is redundant
-    kv_kernel_size: int = 7  # snapkv, rkv, pyramidkv: 1-D pooling kernel over positions (odd)
-    kv_pooling: Literal["max", "mean"] = "max"  # snapkv, rkv, pyramidkv: pooling over query heads and positions
-    kv_sinks: int = 4  # streamingllm: attention-sink tokens always kept
     sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
@@ -80,7 +74,15 @@ class RolloutConfig:
     ray_address: str | None = None  # join this Ray cluster (e.g. auto or ray://host:10001); none: start a local one
     rollout_timeout: float = 600.0  # seconds a worker may take for one shard before it is replaced and the shard retried
     worker_gpus: float = 0.0  # GPUs each rollout worker asks Ray for on a CUDA device (fractions colocate); 0 = 1 / rollout_workers
-    worker_cpus: int = 1  # CPUs each rollout worker asks Ray for (its torch threads when --threads is 0)
+    worker_cpus: int = 1  # CPUs each rollout worker asks Ray for (its torch threads at most, when --threads is auto)
+
+
+# The KV policies' options (kv_lambda, kv_sinks, ...) are fields of the policies themselves
+# (`rollout/kv_policies.py`); RolloutConfig gains one field per option, with the policy's default and help.
+RolloutConfig = dataclasses.make_dataclass(
+    "RolloutConfig", [(o.key, o.annotation, field(default=o.default, metadata={"help": o.help}))
+                      for o in policy_options().values()], bases=(RolloutConfig,))
+RolloutConfig.__module__ = __name__
 
 
 @dataclass
@@ -157,7 +159,14 @@ def field_help(cls: type) -> dict[str, str]:
     import re
 
     pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
-    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
+    for klass in (k for k in cls.__mro__ if k.__module__ == cls.__module__ and k.__qualname__ == k.__name__):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue  # made by make_dataclass: its help is in the fields' metadata
+        helps.update({m.group(1): m.group(2) for line in lines if (m := pattern.match(line))})
+    return helps
 
 
 @dataclass
@@ -340,13 +349,17 @@ def validate(config: ExperimentConfig) -> None:
         (config.train.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
         (config.train.reward_timeout > 0, "reward_timeout must be > 0 seconds"),
         (0 <= config.train.max_reward_failure_frac <= 1, "max_reward_failure_frac must be in [0, 1]"),
-        (config.model.threads >= 0, "threads must be >= 0 (0: torch's default)"),
-        (config.task.task in TASKS or config.task.task.startswith("gym:"),
-         f"task {config.task.task!r} is unknown; choose one of {', '.join(TASKS)} or gym:<dataset>"),
+        (config.model.threads == "auto" or config.model.threads >= 0,
+         "threads must be auto or >= 0 (0: torch's default)"),
+        (config.train.weight_decay >= 0, "weight_decay must be >= 0"),
+        (config.train.grad_clip > 0, "grad_clip must be > 0 (the largest gradient norm an update may have)"),
+        (config.train.entropy_coef >= 0, "entropy_coef must be >= 0 (a bonus for entropy; 0: none)"),
+        (0 <= config.train.warn_rejected_frac <= 1, "warn_rejected_frac must be in [0, 1] (a fraction of tokens)"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    task_class(config.task.task)
     _validate_kv_policy(config.rollout)
     _validate_recalibration(config.rollout)
     _validate_block(config.rollout)
@@ -354,8 +367,8 @@ def validate(config: ExperimentConfig) -> None:
     if config.train.distill_sparse and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--distill-sparse needs sparse rollouts; mode {config.train.mode} samples densely")
     if config.train.distill_sparse and (config.train.distill_rank < 1 or config.train.distill_lr <= 0
-                                        or config.train.distill_kl_coef < 0):
-        raise ConfigError("distill_rank must be >= 1, distill_lr > 0 and distill_kl_coef >= 0")
+                                        or config.train.distill_kl_coef < 0 or config.train.distill_alpha <= 0):
+        raise ConfigError("distill_rank must be >= 1, distill_lr > 0, distill_alpha > 0 and distill_kl_coef >= 0")
     if config.rollout.recalibrate_every and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--recalibrate-every needs sparse rollouts; mode {config.train.mode} samples densely")
     if config.rollout.kv_schedule and config.rollout.kv_schedule != "adaptive":
@@ -370,10 +383,6 @@ def validate(config: ExperimentConfig) -> None:
         raise ConfigError(f"minibatches ({config.train.minibatches}) must divide prompts_per_step x group_size ({total})")
 
 
-TASKS = ("pointer_walk", "math_jsonl", "reasoning_gym")
-# Config fields that set a KV policy's constructor argument of the given name.
-KV_POLICY_OPTIONS = {"kv_lambda": "lam", "kv_similarity_threshold": "similarity_threshold",
-                     "kv_kernel_size": "kernel_size", "kv_pooling": "pooling", "kv_sinks": "sinks"}
 
 
 def calibration_budgets(rollout: RolloutConfig) -> list[int]:
@@ -422,20 +431,17 @@ def _validate_workers(rollout: RolloutConfig) -> None:
 
 
 def _validate_kv_policy(rollout: RolloutConfig) -> None:
-    """An unknown policy, or an option set away from its default that the policy does not take, is an error."""
-    import inspect
-
+    """An unknown policy, or an option set away from its default that the policy does not take, is an error;
+    the policy itself checks its options' values (built here once, so a bad one fails before any model loads)."""
     from ..rollout.kv_policies import POLICIES
 
     if rollout.kv_policy not in POLICIES:
-        raise ConfigError(f"kv_policy {rollout.kv_policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
-    accepted = inspect.signature(POLICIES[rollout.kv_policy]).parameters
-    defaults = RolloutConfig()
-    for name, parameter in KV_POLICY_OPTIONS.items():
-        if getattr(rollout, name) != getattr(defaults, name) and parameter not in accepted:
-            takers = sorted(p for p, cls in POLICIES.items() if parameter in inspect.signature(cls).parameters)
-            raise ConfigError(f"--{name.replace('_', '-')} does not apply to kv_policy {rollout.kv_policy}; "
-                              f"it is an option of {', '.join(takers)}")
+        build_policy(rollout.kv_policy, {}, rollout.kv_window)  # says what the valid names are
+    for key, known in policy_options().items():
+        if getattr(rollout, key) != known.default and rollout.kv_policy not in known.policies:
+            raise ConfigError(f"--{key.replace('_', '-')} does not apply to kv_policy {rollout.kv_policy}; "
+                              f"it is an option of {', '.join(known.policies)}")
+    build_policy(rollout.kv_policy, dataclasses.asdict(rollout), rollout.kv_window)
 
 
 def save_config(config: ExperimentConfig, path: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from ..model.forward import positions_from_mask
 from ..rollout.engine import RolloutEngine, SamplingConfig, sparsity_from_config
 from ..rollout.replay import replay_masks
@@ -36,7 +37,7 @@ def _column(source: str, index: int, prompt_width: int, prompt_length: int) -> i
 @torch.no_grad()
 def run_audit(config, n: int, batch_size: int = 100) -> dict:
     if config.task.task != "pointer_walk":
-        raise ValueError("sparserl audit reads the pointer walk's structure; use --task pointer_walk")
+        raise ConfigError("sparserl audit reads the pointer walk's structure; use --task pointer_walk")
     setup = held_out(config, n)
     model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
     compression = sparsity_from_config(config.rollout)

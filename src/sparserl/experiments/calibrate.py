@@ -1,6 +1,6 @@
 """`sparserl calibrate`: the smallest KV budget per cached-length bin that keeps the α tail ≥ τ.
 
-Sparrow's calibration (SPEC §4). Rollouts of the current model on calibration prompts (the
+Sparrow's calibration (docs/results.md, "Sparrow, part 1"). Rollouts of the current model on calibration prompts (the
 task's train split, so the held-out set stays untouched) are scored token by token with the
 acceptance rate α against the dense model, and the `quantile` (5th percentile) of α is taken in
 each bin of cached length.

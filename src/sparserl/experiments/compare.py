@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config.presets import PresetError, preset_name
-from ..config.schema import MODES, ConfigError, ExperimentConfig
+from ..config.schema import MODES, ExperimentConfig
+from ..errors import ConfigError
 from ..train.checkpoint import latest_checkpoint
 from ..train.evaluation import evaluate_policy
 from ..train.layout import COMPARE_FILE, FINAL_EVAL_FILE, METRICS_FILE

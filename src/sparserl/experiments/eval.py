@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from ..rollout.engine import sparsity_from_config
 from ..tasks.base import Example, Task
 from ..train.evaluation import evaluate_policy, task_rewards
@@ -29,7 +30,7 @@ def resolve_model(path: str | None) -> tuple[str | None, Path | None]:
     if (given / CHECKPOINT_DIR).is_dir():
         checkpoint = latest_good_checkpoint(given)
         if checkpoint is None:
-            raise FileNotFoundError(f"--model {given} is a run directory without an intact checkpoint; "
+            raise UserError(f"--model {given} is a run directory without an intact checkpoint; "
                                     "train it further or pass a checkpoint's policy directory")
         return str(checkpoint / POLICY_DIR), checkpoint / CONFIG_FILE
     if (given / POLICY_DIR).is_dir() and (given / CONFIG_FILE).exists():
@@ -70,13 +71,13 @@ class HeldOut:
 def held_out(config, n: int) -> HeldOut:
     """The model, task and `n` held-out (test split) examples that `config` names, threads set."""
     from ..model.loading import load_policy, resolve_device
+    from ..model.threads import set_threads
     from ..tasks.registry import max_new_tokens as response_bound
     from ..tasks.registry import task_from_config
 
-    if config.model.threads:
-        torch.set_num_threads(config.model.threads)
     model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype),
                                    resolve_device(config.model.device))
+    set_threads(config.model.threads, model)
     task = task_from_config(config.task)
     return HeldOut(model.eval(), tokenizer, task, task.examples(n, seed=config.train.seed, split="test"),
                    response_bound(config.task, task))

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
+
 ADVANTAGE_EPS = 1e-6
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
@@ -47,7 +49,7 @@ def token_coefficients(keep_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     if loss_agg == "seq-mean-token-mean":
         per_sequence = keep.sum(dim=1, keepdim=True).clamp(min=1.0)
         return keep / per_sequence / keep.shape[0]
-    raise ValueError(f"loss_agg must be seq-mean-token-mean or token-mean, got {loss_agg!r}")
+    raise ConfigError(f"loss_agg must be seq-mean-token-mean or token-mean, got {loss_agg!r}")
 
 
 @dataclass

@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from ..config.schema import ConfigError
+from ..errors import ConfigError
 
 BUILTIN_MODEL_DIR = "builtin-pointer-walk"
 

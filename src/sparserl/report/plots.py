@@ -15,19 +15,18 @@ matplotlib.use("Agg")  # before pyplot: reports are written on headless machines
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ..config.presets import PRESETS  # noqa: E402
 from .alpha import alpha_runs, bins_over_seeds, first_last, step_span  # noqa: E402
 from .common import DISTILL_SUFFIX, series  # noqa: E402
 
-MODE_COLOURS = {"dense": "#1f77b4", "naive-sparse": "#d62728", "sparse-rl": "#2ca02c",
-                "sparse-tis": "#ff7f0e", "sparse-rs": "#9467bd", "sparrow": "#8c564b", "geo-rs": "#e377c2",
-                "k3-rs": "#7f7f7f", "seq-mask-tis": "#bcbd22", "prefix-veto-tis": "#17becf"}
 PLOTS = ("reward.png", "accuracy.png", "mismatch.png", "rejection.png", "kv_memory.png", "rollout_time.png")
 SCHEDULE_PLOT = "kv_budget.png"  # only when some run had a budget schedule
 ALPHA_PLOT = "alpha_tail.png"  # only when some run logged the α tail per cached-length bin
 
 
 def _colour(mode: str, i: int) -> str:
-    return MODE_COLOURS.get(mode.removesuffix(DISTILL_SUFFIX), f"C{i % 10}")
+    preset = PRESETS.get(mode.removesuffix(DISTILL_SUFFIX))
+    return preset.colour if preset and preset.colour else f"C{i % 10}"
 
 
 def _across_seeds(seeds: list[dict], key: str, records: str = "steps") -> tuple[list[int], list[float], list[float], list[float]]:

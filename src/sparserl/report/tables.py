@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from ..config.presets import mode_with_role
+from ..errors import UserError
 from ..train.layout import COMPARE_FILE, CONFIG_FILE, FINAL_EVAL_FILE, METRICS_FILE, REPORT_FILE
 from ..train.metrics import read_metrics
 from .common import DASH, DISTILL_SUFFIX, cell, markdown, series, setting
@@ -57,11 +59,11 @@ def _read_json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except OSError as error:
-        raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from error
+        raise UserError(f"{path}: cannot be read ({error.strerror or error})") from error
     except ValueError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from error
+        raise UserError(f"{path}: not valid JSON ({error})") from error
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+        raise UserError(f"{path}: holds a JSON {type(data).__name__}, not an object")
     return data
 
 
@@ -76,10 +78,10 @@ def read_final_eval(path: Path) -> dict[str, float | None]:
             if value is None:
                 break
             if not isinstance(value, dict):
-                raise ValueError(f"{path}: {'.'.join(where[:depth])} is {value!r}, not a JSON object")
+                raise UserError(f"{path}: {'.'.join(where[:depth])} is {value!r}, not a JSON object")
             value = value.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{path}: {'.'.join(where)} is {value!r}, not a number")
+            raise UserError(f"{path}: {'.'.join(where)} is {value!r}, not a number")
         numbers[key] = value
     return numbers
 
@@ -157,7 +159,7 @@ def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
     compare_dir = Path(compare_dir)
     manifest = compare_dir / COMPARE_FILE
     if not manifest.is_file():
-        raise ValueError(f"{compare_dir} holds no compare.json; pass the --out directory of a `sparserl compare` run")
+        raise UserError(f"{compare_dir} holds no compare.json; pass the --out directory of a `sparserl compare` run")
     meta = _read_json_object(manifest)
     seeds = meta.get("seeds") or [0]
     runs = {}
@@ -189,7 +191,8 @@ def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
     """What sets the sparse regime of the comparison apart, over the sparse runs: at step 0 (the start
     model) the dense − sparse greedy-accuracy gap, the veto rate and the α tail; over training the
     peak KV bytes against dense, the KV tokens saved and the attended share (README, "Regimes")."""
-    sparse = [s for mode, seeds in runs.items() if mode != "dense" for s in seeds if s["status"] != "not run"]
+    sparse = [s for mode, seeds in runs.items() if mode != mode_with_role("baseline")
+              for s in seeds if s["status"] != "not run"]
     gaps = [s["acc0_dense"] - s["acc0_sparse"] for s in sparse
             if s.get("acc0_dense") is not None and s.get("acc0_sparse") is not None]
     return {"gap0": gaps, "veto0": [s["veto0"] for s in sparse if s.get("veto0") is not None],
@@ -260,7 +263,8 @@ def findings(runs: dict[str, list[dict]], seeds: list[int]) -> list[str]:
         if pairs and len(pairs) == len(per_seed):
             out.append(f"{mode}, final vs step-0 accuracy (dense inference): " + agree(
                 [classify_trajectory(a, b) for a, b in pairs], [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
-    dense, rl = runs.get("dense", []), runs.get("sparse-rl", [])
+    baseline, published = mode_with_role("baseline"), mode_with_role("published")
+    dense, rl = runs.get(baseline, []), runs.get(published, [])
     both = [(d, r) for d, r in zip(dense, rl) if d.get("acc_dense") and r.get("acc_dense") is not None]
     if both and len(both) == len(seeds):
         ratios = [100 * r["acc_dense"] / d["acc_dense"] for d, r in both]
@@ -274,8 +278,8 @@ def findings(runs: dict[str, list[dict]], seeds: list[int]) -> list[str]:
                            ["met" if a >= b else "not met" for a, b in sparse_pairs],
                            [f"{100 * a:.1f}% vs {100 * b:.1f}%" for a, b in sparse_pairs]))
     else:
-        out.append("Paper claims: cannot be evaluated (a dense or sparse-rl run is missing for some seed).")
-    naive = runs.get("naive-sparse", [])
+        out.append(f"Paper claims: cannot be evaluated (a {baseline} or {published} run is missing for some seed).")
+    naive = runs.get(mode_with_role("uncorrected"), [])
     pairs = [(s["acc0_dense"], s["acc_dense"]) for s in naive if s.get("acc_dense") is not None]
     if pairs and len(pairs) == len(seeds):
         out.append("Paper claim: naive sparse training collapses — " + agree(

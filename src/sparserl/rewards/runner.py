@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import UserError
 from ..tasks.base import Example, reward_columns
 
 # The char tokenizer's Rust pool must not be running when a worker forks.
@@ -46,7 +47,7 @@ RewardFn = Callable[..., list]
 logger = logging.getLogger(__name__)
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A reward function failed on too many completions, or could not be loaded."""
 
 

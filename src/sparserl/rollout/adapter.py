@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
+
 ADAPTER_NAME = "sampler"
 
 
@@ -49,13 +51,13 @@ class SamplerAdapter:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         if isinstance(model.get_output_embeddings(), BaseTunerLayer):
-            raise ValueError("distill_target_modules must not include the LM head: the dense and the sparse "
+            raise ConfigError("distill_target_modules must not include the LM head: the dense and the sparse "
                              "side share it")
         self.model = model
         self.config = config
         self.parameters = {name: p for name, p in model.named_parameters() if ".lora_" in name}
         if not self.parameters:
-            raise ValueError(f"distill_target_modules {config.target_modules!r} matched no layer of the model")
+            raise ConfigError(f"distill_target_modules {config.target_modules!r} matched no layer of the model")
         self._set(False)
 
     # ------------------------------------------------------------------ switching

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from ..errors import UserError
+
 IMPLEMENTATION_NAME = "sparserl_masked"
 
 
@@ -58,7 +60,7 @@ def attend(
     if provider is None:
         raise RuntimeError("sparserl attention ran outside masked_attention(); this is a bug")
     if kwargs.get("softcap") is not None:
-        raise ValueError("attention logit soft-capping is not supported by sparse rollouts")
+        raise UserError("attention logit soft-capping is not supported by sparse rollouts")
     layer_idx = module.layer_idx
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]

@@ -23,7 +23,7 @@ import torch
 from .attention import masked_attention
 from .block_sparse import BlockSelections, BlockSelector, BlockSparsity
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
-from .kv_policies import POLICIES, KVPolicy, ScoringInputs, select_slots
+from .kv_policies import KVPolicy, ScoringInputs, build_policy, policy_options, select_slots
 from .schedule import AdaptiveBudget, BinnedBudget, BudgetSchedule, FixedBudget
 
 
@@ -45,16 +45,14 @@ class KVCompression:
     window: int = 8
     interval: int = 8
     per_head: bool = False
-    policy_options: tuple[tuple[str, object], ...] = ()
+    policy_options: tuple[tuple[str, object], ...] = ()  # (config key, value) of the policies' options
     # A budget that grows with the cached length; None keeps `budget` throughout.
     schedule: BudgetSchedule | None = None
 
     @classmethod
     def from_rollout_config(cls, rollout) -> KVCompression:
         """The settings of a `sparserl.config.schema.RolloutConfig` (its `kv_*` fields)."""
-        options = (("lam", rollout.kv_lambda), ("similarity_threshold", rollout.kv_similarity_threshold),
-                   ("kernel_size", rollout.kv_kernel_size), ("pooling", rollout.kv_pooling),
-                   ("sinks", rollout.kv_sinks))
+        options = tuple((key, getattr(rollout, key)) for key in policy_options())
         if rollout.kv_schedule == "adaptive":
             schedule = AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
                                       step=rollout.kv_interval, floor=rollout.kv_window + 1)
@@ -69,16 +67,7 @@ class KVCompression:
         return self.schedule or FixedBudget(self.budget)
 
     def build_policy(self) -> KVPolicy:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown kv_policy {self.policy!r}; choose one of {sorted(POLICIES)}")
-        cls = POLICIES[self.policy]
-        accepted = inspect.signature(cls).parameters
-        # Options are shared by all policies (from the config); each takes the ones it has.
-        options = {k: v for k, v in self.policy_options if k in accepted}
-        # Policies that shape budgets around the recent window (PyramidKV) must see the engine's window.
-        if "window" in accepted:
-            options.setdefault("window", self.window)
-        return cls(**options)
+        return build_policy(self.policy, dict(self.policy_options), self.window)
 
 
 def sparsity_from_config(rollout) -> KVCompression | BlockSparsity:

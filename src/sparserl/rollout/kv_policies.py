@@ -4,6 +4,11 @@ A policy only scores the cached tokens of one layer; what is kept is decided the
 of them by `select_slots`: the w most recent real tokens, plus the B - w best-scored others, never
 a padding slot while a real token is left. Register a new policy with `@register`.
 
+A policy is a dataclass whose fields are its options. Each field is a config key and a flag of its own
+(`kv_` + the field name, or the `option` named in its metadata, with the `help` given there), so a new
+option is one field here: `policy_options()` is what the config derives its `--kv-*` flags from, and an
+option several policies share (the pooling of SnapKV, R-KV and PyramidKV) is one flag.
+
 Default selection: one kept set shared per layer, scores summed over KV heads, as the Sparse-RL
 reference does; per-head selection (kvpress, original SnapKV) is the option (`per_head=True` in the
 engine, which makes `real`/`columns` carry one row per KV head). Shared is the default because one
@@ -16,18 +21,60 @@ Scores are computed in float32 on the keys' device. Policies: `streamingllm`, `h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
 POLICIES: dict[str, type["KVPolicy"]] = {}
+KERNEL_HELP = "snapkv, rkv, pyramidkv: 1-D pooling kernel over positions (odd)"
+POOLING_HELP = "snapkv, rkv, pyramidkv: pooling over query heads and positions"
 
 
 def register(cls: type["KVPolicy"]) -> type["KVPolicy"]:
     POLICIES[cls.name] = cls
     return cls
+
+
+def option(default: Any, help: str, name: str | None = None) -> Any:
+    """A policy option: a dataclass field that is also config key `name` (default `kv_<field>`) with `help`."""
+    return field(default=default, metadata={"help": help, "option": name})
+
+
+@dataclass(frozen=True)
+class PolicyOption:
+    """One config key (and flag) that sets a field of one or more registered policies."""
+
+    key: str  # the config key, e.g. kv_lambda
+    field: str  # the policy dataclass field it sets, e.g. lam
+    annotation: Any
+    default: Any
+    help: str
+    policies: tuple[str, ...]  # the registered policies that take it
+
+
+def policy_options() -> dict[str, PolicyOption]:
+    """Every option of every registered policy, by config key. Policies sharing a key share its default."""
+    found: dict[str, PolicyOption] = {}
+    for name, cls in sorted(POLICIES.items()):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "help" not in f.metadata:
+                continue  # set by the engine (PyramidKV's window), not by the user
+            key = f.metadata["option"] or f"kv_{f.name}"
+            known = found.get(key)
+            if known and (known.field, known.default) != (f.name, f.default):
+                raise AssertionError(f"policies {known.policies} and {name} give option {key} different fields "
+                                     "or defaults; one key is one setting")
+            takers = (known.policies if known else ()) + (name,)
+            found[key] = PolicyOption(key, f.name, hints[f.name], f.default, f.metadata["help"], takers)
+    return found
 
 
 @dataclass
@@ -49,8 +96,19 @@ class ScoringInputs:
         return self.real.expand(n, hkv, length), self.columns.expand(n, hkv, length)
 
 
+def build_policy(name: str, settings: Mapping[str, Any], window: int) -> "KVPolicy":
+    """Policy `name`, its options read from `settings` (config key -> value; a key not there keeps the
+    policy's default), and `window` (the compression's recent window) for the policies that shape around it."""
+    if name not in POLICIES:
+        raise ConfigError(f"kv_policy {name!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
+    values = {o.field: settings[o.key] for o in policy_options().values() if name in o.policies and o.key in settings}
+    if "window" in {f.name for f in dataclasses.fields(POLICIES[name])}:
+        values["window"] = window
+    return POLICIES[name](**values)
+
+
 class KVPolicy:
-    """Base class: subclasses set `name` and implement `score`."""
+    """Base class: subclasses are dataclasses (their fields are their options), set `name` and implement `score`."""
 
     name: ClassVar[str]
     needs_attention_mass: ClassVar[bool] = False
@@ -70,15 +128,16 @@ class KVPolicy:
 
 
 @register
+@dataclass
 class StreamingLLM(KVPolicy):
     """Attention sinks (the first `sinks` real tokens of each row) plus the most recent tokens."""
 
-    name = "streamingllm"
+    name: ClassVar[str] = "streamingllm"
+    sinks: int = option(4, "streamingllm: attention-sink tokens always kept")
 
-    def __init__(self, sinks: int = 4):
-        if sinks < 0:
-            raise ValueError("sinks must be >= 0")
-        self.sinks = sinks
+    def __post_init__(self):
+        if self.sinks < 0:
+            raise ConfigError(f"kv_sinks must be >= 0, got {self.sinks}")
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         real, columns = inputs.per_kv_head()
@@ -93,11 +152,12 @@ class StreamingLLM(KVPolicy):
 
 
 @register
+@dataclass
 class H2O(KVPolicy):
     """Heavy hitters: the attention each cached token has received so far, summed over queries."""
 
-    name = "h2o"
-    needs_attention_mass = True
+    name: ClassVar[str] = "h2o"
+    needs_attention_mass: ClassVar[bool] = True
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         if inputs.attention_mass is None:
@@ -106,6 +166,7 @@ class H2O(KVPolicy):
 
 
 @register
+@dataclass
 class SnapKV(KVPolicy):
     """Attention of the observation-window queries onto the cache, pooled (SnapKV, Li et al. 2024).
 
@@ -117,15 +178,16 @@ class SnapKV(KVPolicy):
     reference's `F.max_pool1d` / `F.avg_pool1d`, which counts the zero padding in the mean).
     """
 
-    name = "snapkv"
+    name: ClassVar[str] = "snapkv"
+    kernel_size: int = option(7, KERNEL_HELP)
+    pooling: Literal["max", "mean"] = option("max", POOLING_HELP)
 
-    def __init__(self, kernel_size: int = 7, pooling: Literal["max", "mean"] = "max"):
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError("kernel_size must be odd and >= 1, so that pooling keeps the length")
-        if pooling not in ("max", "mean"):
-            raise ValueError(f"pooling must be 'max' or 'mean', not {pooling!r}")
-        self.kernel_size = kernel_size
-        self.pooling = pooling
+    def __post_init__(self):
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ConfigError(f"kv_kernel_size must be odd and >= 1, so that pooling keeps the length; "
+                              f"got {self.kernel_size}")
+        if self.pooling not in ("max", "mean"):
+            raise ConfigError(f"kv_pooling must be 'max' or 'mean', not {self.pooling!r}")
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         keys = inputs.keys.float()
@@ -152,6 +214,7 @@ class SnapKV(KVPolicy):
 
 
 @register
+@dataclass
 class RKV(KVPolicy):
     """Redundancy-aware scoring for long reasoning (R-KV): lam * importance - (1 - lam) * redundancy.
 
@@ -172,14 +235,20 @@ class RKV(KVPolicy):
     faults than the product itself.
     """
 
-    name = "rkv"
-    BLOCK = 128
+    name: ClassVar[str] = "rkv"
+    BLOCK: ClassVar[int] = 128
+    lam: float = option(0.1, "rkv: weight of importance against redundancy, in [0, 1]", name="kv_lambda")
+    similarity_threshold: float = option(0.5, "rkv: key cosine similarity above which the older twin is redundant")
+    kernel_size: int = option(7, KERNEL_HELP)
+    pooling: Literal["max", "mean"] = option("max", POOLING_HELP)
 
-    def __init__(self, lam: float = 0.1, similarity_threshold: float = 0.5, kernel_size: int = 7,
-                 pooling: Literal["max", "mean"] = "max"):
-        self.lam = lam
-        self.similarity_threshold = similarity_threshold
-        self.importance = SnapKV(kernel_size=kernel_size, pooling=pooling)
+    def __post_init__(self):
+        if not 0 <= self.lam <= 1:
+            raise ConfigError(f"kv_lambda must be in [0, 1] (the weight of importance), got {self.lam}")
+        if not -1 <= self.similarity_threshold <= 1:
+            raise ConfigError(f"kv_similarity_threshold is a cosine similarity, in [-1, 1]; got "
+                              f"{self.similarity_threshold}")
+        self.importance = SnapKV(kernel_size=self.kernel_size, pooling=self.pooling)
         self.begin_rollout()
 
     def begin_rollout(self) -> None:
@@ -270,25 +339,25 @@ def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @register
+@dataclass
 class PyramidKV(SnapKV):
     """SnapKV scores with budgets that shrink linearly with depth (PyramidKV, Cai et al. 2024).
 
     As the reference, the part of the budget above the window, E = budget - window, runs from
     top = 2E - bottom at layer 0 down to bottom = max(1, floor(E / beta)) at the last layer; the
     arithmetic sequence has mean E, and rounding down keeps the total <= num_layers * budget.
-    Every layer keeps >= window + 1. `window` must equal the compression's window (the engine
-    builds policies from `policy_options` only).
+    Every layer keeps >= window + 1. `window` is the compression's window, which the engine sets.
     """
 
-    name = "pyramidkv"
+    name: ClassVar[str] = "pyramidkv"
+    beta: float = option(20.0, "pyramidkv: how steeply budgets shrink with depth (the last layer keeps "
+                               "(budget - window) / beta above the window; >= 1)")
+    window: int = 8
 
-    def __init__(self, beta: float = 20.0, window: int = 8, kernel_size: int = 7,
-                 pooling: Literal["max", "mean"] = "max"):
-        super().__init__(kernel_size=kernel_size, pooling=pooling)
-        if beta < 1:
-            raise ValueError("beta must be >= 1")
-        self.beta = beta
-        self.window = window
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta < 1:
+            raise ConfigError(f"kv_beta must be >= 1, got {self.beta}")
 
     def layer_budget(self, budget: int, layer_idx: int, num_layers: int) -> int:
         extra = budget - self.window

@@ -24,8 +24,9 @@ import warnings
 import numpy as np
 import torch
 
-from ..config.schema import ConfigError
-from ..model.loading import resolve_device
+from ..errors import ConfigError
+from ..model.loading import count_parameters, resolve_device
+from ..model.threads import choose_threads
 from .adapter import SamplerAdapter
 from .engine import RolloutEngine, SamplingConfig
 from .sampler import Sampler, Shard, ShardResult, StepRollouts, move_to
@@ -91,16 +92,20 @@ def _join(ray, address: str) -> None:
 class RolloutWorker:
     """One rollout actor (wrapped by `ray.remote` in `RayRollouts`). Its weights come from the driver."""
 
-    def __init__(self, model_config, dtype: str, device: str, threads: int, adapter, compression,
+    def __init__(self, model_config, dtype: str, device: str, threads: int | str, cpus: int, adapter, compression,
                  record_evictions: bool, record_distributions: bool):
+        """`threads`: the --threads setting; auto and 0 mean the thread count auto picks, at most the
+        `cpus` Ray gave this worker."""
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(threads)
         torch.manual_seed(0)  # the random init is overwritten by the first weights; this only makes it cheap to debug
         model = AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, dtype))
         # Parameters keep requires_grad as in the driver: turning it off changes which CPU kernels run
         # (4.8e-7 apart on the built-in model), and the workers must sample bitwise as the driver would.
         model = model.to(resolve_device(device)).eval()
+        if threads in (0, "auto"):
+            threads = min(cpus, choose_threads("auto", count_parameters(model)).threads)
+        torch.set_num_threads(threads)
         adapter = SamplerAdapter(model, adapter) if adapter is not None else None
         engine = RolloutEngine(model, compression, record_evictions=record_evictions,
                                record_distributions=record_distributions)
@@ -130,7 +135,8 @@ class RolloutWorker:
 class RayRollouts:
     """The driver's side: starts the workers, pushes weights, hands out shards, replaces lost workers."""
 
-    def __init__(self, rollout, model_config, dtype: str, device: torch.device, threads: int, adapter, compression,
+    def __init__(self, rollout, model_config, dtype: str, device: torch.device, threads: int | str, adapter,
+                 compression,
                  record_evictions: bool, record_distributions: bool):
         ray = import_ray()
         self.ray = ray
@@ -147,7 +153,7 @@ class RayRollouts:
             resources["num_gpus"] = rollout.worker_gpus or 1.0 / rollout.rollout_workers
         self.actor = ray.remote(**resources)(RolloutWorker)
         self.worker_args = (model_config, dtype, "cuda" if device.type == "cuda" else "cpu",
-                            threads or rollout.worker_cpus, adapter, compression, record_evictions,
+                            threads, rollout.worker_cpus, adapter, compression, record_evictions,
                             record_distributions)
         # A worker takes shards once it has started (`ready`): the timeout must not count its start-up.
         self.workers, self.ready = [], []

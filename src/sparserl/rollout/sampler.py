@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..model.loading import sampling_generator
 from .adapter import sampler_context
 from .engine import RolloutBatch, RolloutEngine, SamplingConfig
@@ -47,7 +48,7 @@ def plan_shards(prompts: list[list[int]], group_size: int, shards: int, step_see
     of whole groups, the first ones one group larger when they do not divide evenly."""
     groups = len(prompts) // group_size
     if groups * group_size != len(prompts) or not 1 <= shards <= groups:
-        raise ValueError(f"cannot split {len(prompts)} rows in groups of {group_size} into {shards} shards")
+        raise ConfigError(f"cannot split {len(prompts)} rows in groups of {group_size} into {shards} shards")
     plan, start = [], 0
     for index in range(shards):
         count = groups // shards + (index < groups % shards)

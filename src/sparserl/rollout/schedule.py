@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import ConfigError
+
 
 class BudgetSchedule:
     def budget(self, cached_len: int) -> int:
@@ -49,9 +51,9 @@ class BinnedBudget(BudgetSchedule):
 
     def __post_init__(self) -> None:
         if self.bin_size < 1 or not self.budgets or min(self.budgets) < 1:
-            raise ValueError(f"a schedule needs bin_size >= 1 and budgets >= 1, got {self.bin_size} and {self.budgets}")
+            raise ConfigError(f"a schedule needs bin_size >= 1 and budgets >= 1, got {self.bin_size} and {self.budgets}")
         if any(b < a for a, b in zip(self.budgets, self.budgets[1:])):
-            raise ValueError(f"schedule budgets must not decrease along the sequence, got {list(self.budgets)}")
+            raise ConfigError(f"schedule budgets must not decrease along the sequence, got {list(self.budgets)}")
 
     def budget(self, cached_len: int) -> int:
         return self.budgets[min(max(cached_len, 0) // self.bin_size, len(self.budgets) - 1)]
@@ -67,18 +69,18 @@ class BinnedBudget(BudgetSchedule):
         try:
             data = yaml.safe_load(path.read_text())
         except OSError as error:
-            raise ValueError(f"--kv-schedule {path}: cannot read it ({error.strerror}); {held}") from None
+            raise ConfigError(f"--kv-schedule {path}: cannot read it ({error.strerror}); {held}") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(error, "problem", None) or "not YAML"
-            raise ValueError(f"--kv-schedule {path}: invalid YAML{where} ({problem}); {held}") from None
+            raise ConfigError(f"--kv-schedule {path}: invalid YAML{where} ({problem}); {held}") from None
         if not isinstance(data, dict) or "bin_size" not in data or "budgets" not in data:
-            raise ValueError(f"--kv-schedule {path}: needs `bin_size` and a list `budgets` (see `sparserl calibrate`)")
+            raise ConfigError(f"--kv-schedule {path}: needs `bin_size` and a list `budgets` (see `sparserl calibrate`)")
         try:
             return cls(int(data["bin_size"]), tuple(int(b) for b in data["budgets"]))
         except (TypeError, ValueError) as error:
-            raise ValueError(f"--kv-schedule {path}: {error}") from None
+            raise ConfigError(f"--kv-schedule {path}: {error}") from None
 
     def to_yaml(self, path: str | Path, **info) -> None:
         Path(path).write_text(yaml.safe_dump({"bin_size": self.bin_size, "budgets": list(self.budgets), **info},

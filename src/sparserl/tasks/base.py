@@ -8,7 +8,7 @@ A task yields `Example`s and scores completions with a TRL-style reward function
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,20 @@ class Task(Protocol):
     def reward(self, completions: list[str], **kwargs: Any) -> list[float]:
         """Scores in [0, 1]; kwargs carry the example columns (`label`, `extra`)."""
         ...
+
+
+# name -> the task class; each class has `from_config(task_config)` for the settings of `TaskConfig`.
+TASKS: dict[str, type] = {}
+
+
+def register_task(name: str) -> Callable[[type], type]:
+    """Class decorator: the task `name` in configs and on the command line (`--task NAME`)."""
+    def register(cls: type) -> type:
+        if not callable(getattr(cls, "from_config", None)):
+            raise TypeError(f"task {name}: {cls.__name__} needs a from_config(task_config) classmethod")
+        TASKS[name] = cls
+        return cls
+    return register
 
 
 def walk_metrics(task: Task, completions: list[str], examples: list[Example], repeat: int = 1) -> dict[str, float]:

@@ -21,9 +21,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from ..errors import ConfigError
 from ..rewards.grading import completion_text
-from .base import Example
+from .base import Example, register_task
 from .math_jsonl import SPLITS, seeded_sample
+
+GYM_PREFIX = "gym:"  # `gym:<dataset>` names a reasoning-gym dataset directly
 
 ANSWER_INSTRUCTION = "Give your final answer inside <answer></answer> tags, e.g. <answer>42</answer>."
 PROMPT_TEMPLATE = "{question}\n" + ANSWER_INSTRUCTION
@@ -36,8 +39,15 @@ def dataset_names() -> list[str]:
     return sorted(reasoning_gym.factory.DATASETS)
 
 
+@register_task("reasoning_gym")
 class ReasoningGymTask:
     """`dataset` is a reasoning-gym name (e.g. chain_sum); `config` its config fields."""
+
+    @classmethod
+    def from_config(cls, config) -> ReasoningGymTask:
+        """From a `TaskConfig`: gym_dataset, or the dataset named in `task: gym:<dataset>`."""
+        name = config.task
+        return cls(dataset=name[len(GYM_PREFIX):] if name.startswith(GYM_PREFIX) else config.gym_dataset)
 
     def __init__(
         self,
@@ -48,11 +58,11 @@ class ReasoningGymTask:
         data_seed: int = 0,
     ) -> None:
         if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
+            raise ConfigError(f"size must be >= 1, got {size}")
         names = dataset_names()
         if dataset not in names:
             close = [n for n in names if dataset.lower() in n or n in dataset.lower()]
-            raise ValueError(
+            raise ConfigError(
                 f"unknown reasoning-gym dataset {dataset!r}; "
                 + (f"did you mean {', '.join(close[:5])}? " if close else "")
                 + f"e.g. {', '.join(['chain_sum', 'basic_arithmetic', 'countdown', 'leg_counting'])}. "
@@ -79,7 +89,7 @@ class ReasoningGymTask:
                     self.dataset, size=self.size, seed=seed, **self.config
                 )
             except TypeError as exc:  # an unknown config field
-                raise ValueError(f"bad config for reasoning-gym dataset {self.dataset!r}: {exc}") from None
+                raise ConfigError(f"bad config for reasoning-gym dataset {self.dataset!r}: {exc}") from None
         return self._datasets[split]
 
     def _pool(self, split: str) -> list[Example]:
@@ -91,7 +101,7 @@ class ReasoningGymTask:
                 seen = {e.extra["entry"]["question"] for e in self._pool("train")}
                 items = [item for item in items if item["question"] not in seen]
                 if not items:
-                    raise ValueError(f"{self.name}: every test item also occurs in train; "
+                    raise ConfigError(f"{self.name}: every test item also occurs in train; "
                                      "raise size or loosen the config")
             self._pools[split] = [
                 Example(prompt=PROMPT_TEMPLATE.format(question=item["question"]),

@@ -23,16 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..errors import ConfigError, DataError
 from ..rewards.grading import math_verify_reward
-from .base import Example
+from .base import Example, register_task
 
 T = TypeVar("T")
 
 SPLITS = ("train", "test")
-
-
-class DataError(ValueError):
-    """A data file that cannot be used as given; the message says where and what to fix."""
 
 
 def seeded_sample(pool: Sequence[T], count: int, rng: random.Random) -> list[T]:
@@ -41,7 +38,7 @@ def seeded_sample(pool: Sequence[T], count: int, rng: random.Random) -> list[T]:
     Passes rather than an error when `count > len(pool)`, so a small file still fills a batch.
     """
     if not pool:
-        raise ValueError("cannot sample from an empty split")
+        raise DataError("cannot sample from an empty split")
     out: list[T] = []
     while len(out) < count:
         take = min(count - len(out), len(pool))
@@ -49,8 +46,17 @@ def seeded_sample(pool: Sequence[T], count: int, rng: random.Random) -> list[T]:
     return out
 
 
+@register_task("math_jsonl")
 class MathJsonlTask:
     """Math problems from a JSONL file; the file is read and checked when the task is built."""
+
+    @classmethod
+    def from_config(cls, config) -> MathJsonlTask:
+        """From a `TaskConfig`: data_path, prompt_key, label_key and template."""
+        if not config.data_path:
+            raise ConfigError("task math_jsonl needs --data-path FILE.jsonl (one JSON object per line)")
+        return cls(path=config.data_path, prompt_key=config.prompt_key, label_key=config.label_key,
+                   template=config.template)
 
     def __init__(
         self,
@@ -68,11 +74,11 @@ class MathJsonlTask:
         self.template = template
         self.name = name
         if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+            raise DataError(f"test_fraction must be in (0, 1), got {test_fraction}")
         try:
             template.format(prompt="")
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
+            raise DataError(
                 f"task.template {template!r} must use only the placeholder {{prompt}} "
                 f"(write literal braces as {{{{ }}}}): {exc!r}"
             ) from None

@@ -37,7 +37,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Example
+from ..errors import ConfigError
+from .base import Example, register_task
 
 # Digits then punctuation, minus the four characters with a role in the format.
 COUNTERS = string.digits + "".join(c for c in string.punctuation if c not in "^|#$")
@@ -47,6 +48,7 @@ _ANSWER = re.compile(r"#([A-Za-z])\$?\s*$")
 
 
 @dataclass(frozen=True)
+@register_task("pointer_walk")
 class PointerWalkTask:
     """`letters` is the difficulty knob: the longest cycle (3..26). Cycle lengths are drawn from
     `min_letters` (default: letters - 10, at least 3) to `letters`."""
@@ -55,11 +57,16 @@ class PointerWalkTask:
     min_letters: int | None = None
     name: str = "pointer_walk"
 
+    @classmethod
+    def from_config(cls, config) -> PointerWalkTask:
+        """From a `TaskConfig`: its difficulty and min_difficulty (0: difficulty - 10)."""
+        return cls(letters=config.difficulty, min_letters=config.min_difficulty or None)
+
     def __post_init__(self) -> None:
         if not 3 <= self.letters <= 26:
-            raise ValueError(f"task.difficulty (letters) must be in 3..26, got {self.letters}")
+            raise ConfigError(f"task.difficulty (letters) must be in 3..26, got {self.letters}")
         if self.min_letters is not None and not 3 <= self.min_letters <= self.letters:
-            raise ValueError(f"task.min_letters must be in 3..{self.letters} (the difficulty), got {self.min_letters}")
+            raise ConfigError(f"task.min_letters must be in 3..{self.letters} (the difficulty), got {self.min_letters}")
 
     @property
     def letter_range(self) -> tuple[int, int]:

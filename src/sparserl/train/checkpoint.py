@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config.schema import ExperimentConfig, save_config
+from ..errors import UserError
 from .layout import (
     ADAPTER_DIR,
     ADAPTER_WEIGHTS_FILE,
@@ -50,6 +51,7 @@ class TrainerState:
     starving_steps: int = 0  # steps whose rejected fraction passed warn_rejected_frac
     rejected_in_a_row: int = 0  # consecutive steps whose every response token was rejected
     kv_budgets: list[int] | None = None  # an adaptive schedule's budgets per bin, for the next step
+    threads: int = 0  # the torch threads the run chose (its float sums depend on them); 0: not yet chosen
 
 
 def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimizer: torch.optim.Optimizer,
@@ -57,7 +59,7 @@ def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimi
     """`distill`: DistillSparse's `DistillTrainer`; its adapter and optimizer are saved beside the
     policy, whose weights go without the adapter."""
     if keep < 1:
-        raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
+        raise UserError(f"keep_checkpoints must be >= 1, got {keep}")
     root = run_dir / CHECKPOINT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{state.step:06d}"
@@ -156,7 +158,7 @@ def load_adapter(distill, checkpoint: Path) -> None:
     directory = checkpoint / ADAPTER_DIR
     saved = load_file(directory / ADAPTER_WEIGHTS_FILE)
     if set(saved) != set(distill.parameters):
-        raise ValueError(f"{directory}: the saved adapter does not match this model's (different rank or "
+        raise UserError(f"{directory}: the saved adapter does not match this model's (different rank or "
                          "target modules?); resume with the run's own distill settings")
     with torch.no_grad():
         for name, parameter in distill.parameters.items():

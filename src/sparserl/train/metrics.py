@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
 from .layout import METRICS_FILE, TENSORBOARD_DIR
 
 
@@ -31,7 +32,7 @@ class MetricsLogger:
             self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=resume_step + 1)
         for name in sorted(names - {"tensorboard"}):
             if name not in ("trackio", "wandb"):
-                raise ValueError(f"log_with: unknown backend {name!r}; use tensorboard, trackio, wandb or none")
+                raise UserError(f"log_with: unknown backend {name!r}; use tensorboard, trackio, wandb or none")
             if importlib.util.find_spec(name) is None:
                 warnings.warn(f"log_with asks for {name}, which is not installed; `pip install {name}` to use it")
                 continue
@@ -76,9 +77,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             if number == len(lines):
                 warnings.warn(f"{path}: line {number} was cut off by an interrupted write; ignoring it")
                 continue
-            raise ValueError(f"{path}: line {number} is not valid JSON; remove or repair that line") from None
+            raise UserError(f"{path}: line {number} is not valid JSON; remove or repair that line") from None
         if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
-            raise ValueError(f"{path}: line {number} is not a step record (a JSON object with an integer "
+            raise UserError(f"{path}: line {number} is not a step record (a JSON object with an integer "
                              "\"step\"); remove or repair that line")
         records.append(record)
     return records

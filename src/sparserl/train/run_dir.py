@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 import yaml
 
-from ..config.schema import ConfigError, ExperimentConfig, save_config
+from ..config.schema import ExperimentConfig, save_config
+from ..errors import ConfigError
 from .layout import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE
 
 LOCK_FILE = ".lock"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 import warnings
@@ -21,12 +22,14 @@ from tqdm import tqdm
 from ..config.corrections import CorrectionConfig
 from ..config.presets import load_preset
 from ..config.schema import ExperimentConfig, calibration_budgets
+from ..errors import UserError
 from ..learner.alpha import bin_tails, rollout_alpha_metrics
 from ..learner.corrections import compute_corrections, rejection_by_length
 from ..learner.distill import DistillTrainer, distill_config
 from ..learner.grpo import group_advantages, ppo_loss, token_coefficients
 from ..model.forward import batched_logprobs, micro_batches, response_logprobs
 from ..model.loading import load_policy, resolve_device
+from ..model.threads import set_threads
 from ..rewards.runner import RewardRunner
 from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
 from ..rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
@@ -66,7 +69,7 @@ REFERENCE_CORRECTIONS = CorrectionConfig.sparse_rl()
 OUT_OF_RANGE_FRAC = 0.3  # a first-step filter rate above this says the regime is outside the method's range
 
 
-class CorrectionsStarved(ValueError):
+class CorrectionsStarved(UserError):
     """Every response token was rejected for `max_rejected_steps` steps in a row. A ValueError, so the
     command line reports it as a setting to change (mode, thresholds, budget), not as a crash."""
 
@@ -96,8 +99,6 @@ class GRPOTrainer:
 
     def _build(self, config: ExperimentConfig, checkpoint: Path | None) -> None:
         self.run_dir = self.run.path
-        if config.model.threads:
-            torch.set_num_threads(config.model.threads)
         torch.manual_seed(config.train.seed)
         dtype = getattr(torch, config.model.dtype)
         source = str(checkpoint / POLICY_DIR) if checkpoint else config.model.model
@@ -125,6 +126,9 @@ class GRPOTrainer:
         self.state = TrainerState()
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.optimizer)
+        threads = set_threads(config.model.threads, self.model, recorded=self.state.threads)
+        self.state.threads = threads.threads
+        logging.getLogger(__name__).info("torch threads: %d (%s)", threads.threads, threads.reason)
         self.compression = sparsity_from_config(config.rollout)  # eviction or block-sparse attention
         if isinstance(self.compression.schedule, AdaptiveBudget) and self.state.kv_budgets:
             self.compression.schedule.budgets = list(self.state.kv_budgets)
