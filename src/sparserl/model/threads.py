@@ -17,8 +17,8 @@ import torch
 
 from .loading import count_parameters
 
-# Below this a second thread buys little (the built-in model, 0.4M parameters, runs 1.1× faster on two
-# threads of a quiet machine and several times slower on a busy one); above it, matrix products pay.
+# Below this a second thread buys little: the built-in model (0.6M parameters) trains 1.1× faster on two
+# threads of a quiet machine and 3.6× slower beside one other such job (docs/benchmarks.md).
 SMALL_MODEL_PARAMETERS = 20_000_000
 
 
