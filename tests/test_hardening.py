@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sparserl.cli import main
 from sparserl.config.schema import load_config
@@ -108,6 +109,20 @@ def test_resume_with_a_changed_config_lists_the_changes(tiny_model_dir, tmp_path
     with pytest.warns(UserWarning, match="changed settings: .*veto_threshold: None -> 0.0001"):
         assert main(_train(tiny_model_dir, out, 5, "--resume", "--mode", "sparse-rl", "--allow-config-change")) == 0
     assert _steps(out) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_run_saved_before_an_option_existed_resumes(tiny_model_dir, tmp_path, capsys):
+    """An option added by a later version (PyramidKV's kv_beta was) is its default in an older run's config."""
+    out = tmp_path / "run"
+    assert main(_train(tiny_model_dir, out, 2)) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    del saved["rollout"]["kv_beta"]
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert main(_train(tiny_model_dir, out, 3, "--resume")) == 0
+    del saved["rollout"]["kv_kernel_size"]
+    (out / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert main(_train(tiny_model_dir, out, 4, "--resume", "--kv-kernel-size", "5")) == 2  # set, it is a change
+    assert "kv_kernel_size: 7 -> 5" in _error(capsys)
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_an_intact_one(tiny_model_dir, tmp_path):

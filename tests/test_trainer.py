@@ -155,25 +155,25 @@ def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, t
 
 
 def test_kept_vs_vetoed_diagnostics_by_hand():
-    from sparserl.train.trainer import _kept_vs_rejected
+    from sparserl.train.step_batch import kept_vs_rejected
 
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     lengths = torch.tensor([10, 20, 30, 40])
     keep = torch.tensor([True, True, False, False])
-    assert _kept_vs_rejected(rewards, lengths, keep, "flagged_", "vetoed") == {
+    assert kept_vs_rejected(rewards, lengths, keep, "flagged_", "vetoed") == {
         "flagged_reward_kept_mean": 0.5, "flagged_response_len_kept_mean": 15.0,
         "flagged_reward_vetoed_mean": 0.5, "flagged_response_len_vetoed_mean": 35.0}
-    assert _kept_vs_rejected(rewards, lengths, torch.ones(4, dtype=torch.bool), "", "rejected") == {
+    assert kept_vs_rejected(rewards, lengths, torch.ones(4, dtype=torch.bool), "", "rejected") == {
         "reward_kept_mean": 0.5, "response_len_kept_mean": 25.0}
 
 
 def test_kept_advantages_by_hand():
-    from sparserl.train.trainer import _kept_advantages
+    from sparserl.train.step_batch import kept_advantages
 
     # Group advantages (+1, -1, +1, -1) sum to 0; the filters drop row 1 entirely and half of row 2.
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     keep = torch.tensor([[1, 1], [0, 0], [1, 0], [1, 1]], dtype=torch.float32)
-    out = _kept_advantages(advantages, keep)
+    out = kept_advantages(advantages, keep)
     assert out["kept_advantage_sum"] == 1.0  # +1 +1 -1: a net push up
     assert out["kept_advantage_mean"] == pytest.approx(1 / 3)
     assert out["kept_advantage_token_mean"] == pytest.approx((2 + 1 - 2) / 5)

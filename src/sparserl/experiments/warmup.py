@@ -66,11 +66,7 @@ def warmup(config: WarmupConfig) -> dict:
         low, high = stages[stage]
         model.train()
         loss = _sft_step(model, tokenizer, rng, low, high, config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+        _optimizer_step(model, optimizer, schedule, loss)
         final = stage == len(stages) - 1
         every = 1 if step <= dense_probing_until else (config.final_probe_every if final else config.probe_every)
         if step % every:
@@ -119,18 +115,31 @@ def warmup(config: WarmupConfig) -> dict:
             f"{step} steps (last probe: {json.dumps(last)}); raise --max-steps or lower --final-probe-every")
     step, scores, state = best
     model.load_state_dict(state)
-    card = {
+    card = _model_card(model, config, target, step, scores, round(time.perf_counter() - started, 1), history)
+    save_model(model, tokenizer, Path(config.out), card)
+    return card
+
+
+def _optimizer_step(model, optimizer, schedule, loss: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+
+
+def _model_card(model, config: WarmupConfig, target: PointerWalkTask, step: int, scores: dict, seconds: float,
+                history: list[dict]) -> dict:
+    return {
         "model": "pointer-walk Llama", "parameters": count_parameters(model),
         "task": {"name": "pointer_walk", "letters": config.letters, "letter_range": list(target.letter_range)},
         # The task's reward is the exact walk; the final-letter accuracy beside it would show a shortcut.
         "heldout_greedy_accuracy": scores["accuracy"], "heldout_walk_exact": scores["walk_exact"],
         "heldout_answer_accuracy": scores["answer_accuracy"],
         "heldout_first_error_hop": scores.get("first_error_hop"), "heldout_examples": config.probe_examples,
-        "step": step, "seed": config.seed, "seconds": round(time.perf_counter() - started, 1),
+        "step": step, "seed": config.seed, "seconds": seconds,
         "torch": torch.__version__, "settings": asdict(config), "probes": history,
     }
-    save_model(model, tokenizer, Path(config.out), card)
-    return card
 
 
 def _snapshot(step, model, optimizer, schedule, rng: random.Random) -> _Snapshot:

@@ -61,6 +61,31 @@ def _quantile(sorted_x: torch.Tensor, q: float) -> float:
     return a + (b - a) * (pos - lo)
 
 
+@dataclass
+class TokenRatios:
+    """ξ = π_old / π_sparse of one batch in float64, [B, T] unless said, 0 (log) outside the response."""
+
+    old: torch.Tensor  # log π_old of the sampled tokens
+    sampler: torch.Tensor  # log π_sparse of the sampled tokens
+    resp: torch.Tensor  # bool, the response tokens
+    log_ratio: torch.Tensor  # log ξ, exactly 0 outside the response, so sums over T need no extra masking
+    clamped: torch.Tensor  # log ξ clamped to ±20
+    xi: torch.Tensor  # exp(clamped)
+    n_tok: torch.Tensor  # [B] response tokens per row
+    has_resp: torch.Tensor  # [B] bool
+
+
+@dataclass
+class Filtered:
+    """What the filters leave: each filter's own removal ([B, T] bool, response tokens only), the
+    sequences kept whole ([B] bool), the tokens kept ([B, T] bool) and the band test ([B, T] bool)."""
+
+    removed: dict[str, torch.Tensor]
+    seq_keep: torch.Tensor
+    keep: torch.Tensor
+    in_band: torch.Tensor
+
+
 @torch.no_grad()
 def compute_corrections(
     logp_old: torch.Tensor,
@@ -80,36 +105,53 @@ def compute_corrections(
             f"{tuple(logp_old.shape)}, {tuple(logp_sampler.shape)}, {tuple(response_mask.shape)}"
         )
     out_dtype = torch.promote_types(logp_old.dtype, torch.float32)
+    ratios = token_ratios(logp_old, logp_sampler, response_mask)
+    sequence_stats = _sequence_statistics(ratios.log_ratio, ratios.clamped, ratios.xi, ratios.n_tok)
+    filtered = apply_filters(ratios, sequence_stats, config)
+    weights, normaliser = importance_weights(ratios, config)
+    metrics = _metrics(logp_old=ratios.old, logp_sampler=ratios.sampler, clamped=ratios.clamped, xi=ratios.xi,
+                       resp=ratios.resp, seq_keep=filtered.seq_keep, has_resp=ratios.has_resp,
+                       in_band=filtered.in_band, keep=filtered.keep, w=weights)
+    metrics.update(_filter_metrics(filtered.removed, ratios.resp, ratios.has_resp))
+    metrics.update(_sequence_statistic_metrics(sequence_stats, ratios.has_resp))
+    metrics["is_batch_norm_factor"] = normaliser
+    return Corrections(weights=weights.to(out_dtype), keep_mask=filtered.keep.to(out_dtype), metrics=metrics,
+                       seq_keep=filtered.seq_keep)
+
+
+def token_ratios(logp_old: torch.Tensor, logp_sampler: torch.Tensor, response_mask: torch.Tensor) -> TokenRatios:
+    """The per-token ratios every filter, weight and metric reads (shapes as in `compute_corrections`)."""
     resp = response_mask.detach() != 0
-    resp_f = resp.double()
     old = torch.where(resp, logp_old.detach().double(), 0.0)
     smp = torch.where(resp, logp_sampler.detach().double(), 0.0)
-    log_ratio = old - smp  # exactly 0 outside the response, so sums over T need no extra masking
+    log_ratio = old - smp
     clamped = log_ratio.clamp(-_LOG_CLAMP, _LOG_CLAMP)
-    xi = clamped.exp()
-    n_tok = resp_f.sum(dim=1)  # [B]
-    has_resp = n_tok > 0
-    sequence_stats = _sequence_statistics(log_ratio, clamped, xi, n_tok)
+    n_tok = resp.double().sum(dim=1)
+    return TokenRatios(old=old, sampler=smp, resp=resp, log_ratio=log_ratio, clamped=clamped, xi=clamped.exp(),
+                       n_tok=n_tok, has_resp=n_tok > 0)
 
-    # Each filter's own removal, [B, T] bool over response tokens; padding has log_ratio 0 so never trips one.
+
+def apply_filters(ratios: TokenRatios, sequence_stats: dict[str, torch.Tensor], config: CorrectionConfig) -> Filtered:
+    """Each filter the config turns on; padding has log ξ = 0, so it never trips one."""
+    resp, has_resp = ratios.resp, ratios.has_resp
     removed: dict[str, torch.Tensor] = {}
     if config.veto_threshold is not None:
-        below = log_ratio < math.log(config.veto_threshold)  # the unclamped ratio, as the reference does
+        below = ratios.log_ratio < math.log(config.veto_threshold)  # the unclamped ratio, as the reference does
         if config.veto_scope == "prefix":
             removed["prefix_veto"] = below.cumsum(dim=1) > 0
         else:
             removed["veto"] = below.any(dim=1, keepdim=True).expand_as(resp)
-    sequence_bounds = {"geo": (config.seq_geo_bounds, sequence_stats["geo"]),
-                       "k3": ((0.0, config.seq_k3_max) if config.seq_k3_max is not None else None, sequence_stats["k3"]),
-                       "max_log": ((0.0, config.seq_log_ratio_max) if config.seq_log_ratio_max is not None else None,
-                                   sequence_stats["max_log"])}
-    for name, (bounds, statistic) in sequence_bounds.items():
+    sequence_bounds = {"geo": config.seq_geo_bounds,
+                       "k3": (0.0, config.seq_k3_max) if config.seq_k3_max is not None else None,
+                       "max_log": (0.0, config.seq_log_ratio_max) if config.seq_log_ratio_max is not None else None}
+    for name, bounds in sequence_bounds.items():
         if bounds is not None:
+            statistic = sequence_stats[name]
             outside = has_resp & ((statistic < bounds[0]) | (statistic > bounds[1]))
             removed[name] = outside[:, None].expand_as(resp)
     in_band = torch.ones_like(resp)
     if config.band is not None:
-        in_band = (xi >= config.band[0]) & (xi <= config.band[1])
+        in_band = (ratios.xi >= config.band[0]) & (ratios.xi <= config.band[1])
         removed["band"] = ~in_band
     removed = {name: mask & resp for name, mask in removed.items()}
     seq_keep = torch.ones_like(has_resp)
@@ -119,14 +161,20 @@ def compute_corrections(
     keep = resp.clone()
     for mask in removed.values():
         keep &= ~mask
+    return Filtered(removed=removed, seq_keep=seq_keep, keep=keep, in_band=in_band)
 
-    # Levels: sequence/geometric sum over all response tokens (rejected ones included).
+
+def importance_weights(ratios: TokenRatios, config: CorrectionConfig) -> tuple[torch.Tensor, float]:
+    """[B, T] float64 weights, 0 outside the response, and the batch normaliser applied (1.0 if none).
+
+    The sequence and geometric levels sum over every response token, rejected ones included."""
+    xi, clamped = ratios.xi, ratios.clamped
     if config.is_level == "token":
         ratio = xi
     elif config.is_level == "sequence":
         ratio = clamped.sum(dim=1).clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()[:, None].expand_as(xi)
     else:
-        ratio = (clamped.sum(dim=1) / n_tok.clamp(min=1)).exp()[:, None].expand_as(xi)
+        ratio = (clamped.sum(dim=1) / ratios.n_tok.clamp(min=1)).exp()[:, None].expand_as(xi)
 
     cap = config.is_cap
     if config.is_mode == "truncate":
@@ -137,24 +185,17 @@ def compute_corrections(
         w = torch.where(ratio <= cap, ratio, 0.0)
     else:
         w = torch.ones_like(ratio)
-    w = w * resp_f
+    w = w * ratios.resp.double()
 
     # Mean over every response token, rejected ones included (reference behaviour).
-    n_resp = int(resp.sum().item())
+    n_resp = int(ratios.resp.sum().item())
     normaliser = 1.0
     if config.batch_normalize and n_resp > 0:
         mean_w = w.sum() / n_resp
         if mean_w > 0:
             normaliser = mean_w.item()
             w = w / mean_w
-
-    metrics = _metrics(logp_old=old, logp_sampler=smp, clamped=clamped, xi=xi, resp=resp,
-                       seq_keep=seq_keep, has_resp=has_resp, in_band=in_band, keep=keep, w=w)
-    metrics.update(_filter_metrics(removed, resp, has_resp))
-    metrics.update(_sequence_statistic_metrics(sequence_stats, has_resp))
-    metrics["is_batch_norm_factor"] = normaliser
-    return Corrections(weights=w.to(out_dtype), keep_mask=keep.to(out_dtype), metrics=metrics,
-                       seq_keep=seq_keep)
+    return w, normaliser
 
 
 def _sequence_statistics(log_ratio, clamped, xi, n_tok) -> dict[str, torch.Tensor]:

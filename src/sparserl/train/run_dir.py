@@ -43,7 +43,10 @@ Resume = Literal["never", "must", "auto"]
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{field: (saved, current)} over the leaves of two nested config dicts (lists and tuples equal)."""
+    """{field: (saved, current)} over the leaves of two nested config dicts (lists and tuples equal).
+
+    A field the saved config lacks was added after the run was made: it counts as its default, so a
+    new option left alone does not stop a resume."""
     def leaves(tree: dict) -> dict[str, Any]:
         flat = {}
         for value in tree.values():
@@ -52,6 +55,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[s
         return flat
 
     old, new = leaves(saved), leaves(current)
+    defaults = leaves(ExperimentConfig().to_dict())
+    old.update({k: defaults[k] for k in new.keys() - old.keys() if k in defaults})
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 

@@ -4,6 +4,10 @@ One `GRPOTrainer` runs every mode; the mode's preset (`sparserl.config.presets`)
 are compressed, and the config's resolved `correction` which corrections apply. Every step is a pure function of
 (weights, optimizer state, seed, step): prompts and sampling noise are seeded per step, which is
 what makes a resumed run repeat an uninterrupted one exactly.
+
+`train_step` runs its stages over one `StepBatch` (`step_batch.py`): sample → score → recompute →
+correct → update → diagnose. What a mode adds without the step knowing (the KV budget controllers,
+DistillSparse) joins it as a hook (`hooks.py`).
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from tqdm import tqdm
 
 from ..config.corrections import CorrectionConfig
 from ..config.presets import load_preset
-from ..config.schema import ExperimentConfig, calibration_budgets
+from ..config.schema import ExperimentConfig
 from ..errors import UserError
-from ..learner.alpha import bin_tails, rollout_alpha_metrics
+from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections, rejection_by_length
 from ..learner.distill import DistillTrainer, distill_config
 from ..learner.grpo import group_advantages, ppo_loss, token_coefficients
@@ -37,12 +41,13 @@ from ..rollout.sampler import concat_rollouts, make_rollouts, plan_shards, rollo
 from ..rollout.schedule import AdaptiveBudget, BinnedBudget
 from ..tasks.base import walk_metrics
 from ..tasks.registry import max_new_tokens, task_from_config
-from .calibration import calibrate_schedule
 from .checkpoint import TrainerState, load_adapter, load_trainer_state, save_checkpoint
 from .evaluation import decode_responses, greedy_scores, response_ids, task_rewards
+from .hooks import AdaptiveBudgetHook, DistillSparseHook, RecalibrationHook, StepHook
 from .layout import POLICY_DIR
 from .metrics import MetricsLogger
 from .run_dir import Resume, StopRequest, open_run_dir
+from .step_batch import StepBatch, kept_advantages, kept_vs_rejected, step_seed
 
 LENGTH_BUCKETS = 4
 SLOW_STEP_FACTOR = 4.0  # a step this many times the run's median step time so far is said
@@ -67,15 +72,13 @@ FLAGGED_METRICS = {"rejected_seq_frac": "flagged_veto_frac", "band_mask_frac": "
                    "rejected_sequences": "flagged_vetoed_sequences"}
 REFERENCE_CORRECTIONS = CorrectionConfig.sparse_rl()
 OUT_OF_RANGE_FRAC = 0.3  # a first-step filter rate above this says the regime is outside the method's range
+_SKIPPED_UPDATE = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0,
+                   "grad_norm": 0.0, "optimizer_steps": 0}  # a step whose every token was rejected
 
 
 class CorrectionsStarved(UserError):
     """Every response token was rejected for `max_rejected_steps` steps in a row. A ValueError, so the
     command line reports it as a setting to change (mode, thresholds, budget), not as a crash."""
-
-
-def step_seed(seed: int, step: int) -> int:
-    return seed * 1_000_003 + step
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -143,9 +146,20 @@ class GRPOTrainer:
         self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
         self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
+        self.hooks = self._hooks(config)
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
                                     run_name=self.run_dir.name, config=config.to_dict())
         self._starve_warned = False
+
+    def _hooks(self, config: ExperimentConfig) -> list[StepHook]:
+        hooks: list[StepHook] = []
+        if config.rollout.recalibrate_every:
+            hooks.append(RecalibrationHook(config.rollout.recalibrate_every, bool(config.rollout.kv_schedule)))
+        if isinstance(self.compression.schedule, AdaptiveBudget):
+            hooks.append(AdaptiveBudgetHook())
+        if self.distill is not None:
+            hooks.append(DistillSparseHook(self.distill))
+        return hooks
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainerState:
@@ -213,8 +227,40 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict[str, float]:
-        cfg = self.config
+        """sample → score → recompute → correct → update → diagnose; the hooks join at their points."""
         started = time.perf_counter()
+        record: dict[str, float] = {"step": step}
+        before = {}
+        for hook in self.hooks:
+            before.update(hook.before_sampling(self, step))
+        budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
+        data = self._sample(step)
+        self._score(data)
+        recompute_started = time.perf_counter()
+        self._recompute(data)
+        for hook in self.hooks:
+            record.update(hook.after_recompute(self, data))
+        self._correct(data)
+        recompute_s = time.perf_counter() - recompute_started
+        update_started = time.perf_counter()
+        rejected, skipped = self._guard_rejections(data)
+        update = _SKIPPED_UPDATE if skipped else self._update_policy(data)
+        update_s = time.perf_counter() - update_started
+        record.update(rollout_metrics(data.batch, data.rewards, data.rollouts))
+        record.update(update)
+        record.update(self._diagnose(data))
+        record.update({**budgets_used, **before, "rejected_token_frac": rejected, "skipped": int(skipped),
+                       "skipped_steps": self.state.skipped_steps, "starving_steps": self.state.starving_steps})
+        counts = self.reward.pop_counts()  # failures, timeouts and each reward function's mean
+        self.state.reward_failures += counts["reward_failures"]
+        self.state.reward_timeouts += counts["reward_timeouts"]
+        record.update({**counts, "recompute_s": recompute_s, "update_s": update_s,
+                       "step_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"]})
+        return record
+
+    def _sample(self, step: int) -> StepBatch:
+        """The step's prompts (seeded by step) and their rollouts, dense or through the compressed cache."""
+        cfg = self.config
         seed = step_seed(cfg.train.seed, step)
         examples = self.task.examples(cfg.rollout.prompts_per_step, seed=seed, split="train")
         group = cfg.rollout.group_size
@@ -223,60 +269,68 @@ class GRPOTrainer:
         sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
                                   eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id)
-        recalibration = self._recalibrate(step) if self._recalibrates_at(step) else {}
-        budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
         self.rollouts.sync_weights(self.model, self.state.step)
         rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
                                           self.compression if self.sparse else None)
         batch = concat_rollouts(rollouts.shards, self.tokenizer.pad_token_id)
         # The minibatch shuffle continues shard 0's sampling generator (as it did before rollouts were sharded).
         generator = torch.Generator(self.device).set_state(rollouts.generator_state)
-        texts = decode_responses(self.tokenizer, batch)
-        rewards = torch.tensor(self.reward.score_examples(examples, texts, response_ids(batch), group),
-                               dtype=torch.float32, device=self.device)
+        return StepBatch(step, examples, rollouts, batch, generator)
 
-        recompute_started = time.perf_counter()
+    def _score(self, data: StepBatch) -> None:
+        data.texts = decode_responses(self.tokenizer, data.batch)
+        scores = self.reward.score_examples(data.examples, data.texts, response_ids(data.batch),
+                                            self.config.rollout.group_size)
+        data.rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
+
+    def _recompute(self, data: StepBatch) -> None:
+        """π_old (the dense policy before the update), the reference model's log-probs, and α."""
+        cfg, batch = self.config, data.batch
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
         width = batch.prompt_ids.shape[1]
         mb = cfg.train.micro_batch_size
-        first_forward = None
         if cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb:
             # One optimizer step from one forward: that forward, at the current weights, is the dense
             # recompute of π_old, so it is done once with gradients and reused (as TRL does).
             self.model.train()
-            first_forward = response_logprobs(self.model, input_ids, attention_mask, width,
-                                              with_entropy=cfg.train.entropy_coef > 0)
-            logp_old = first_forward[0].detach()
+            data.fused_forward = response_logprobs(self.model, input_ids, attention_mask, width,
+                                                   with_entropy=cfg.train.entropy_coef > 0)
+            data.logp_old = data.fused_forward[0].detach()
         else:
-            logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
-        logp_ref = (batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
-                    if self.reference is not None else None)
+            data.logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
+        if self.reference is not None:
+            data.logp_ref = batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
         # α needs the sampler's whole distributions and the pre-update weights.
-        acceptance = {} if not self.sparse else rollout_alpha_metrics(
-            self.model, rollouts.shards, cfg.rollout.temperature, cfg.rollout.alpha_bin_size, micro_batch_size=mb,
-            sampler_context=self.sampler)
-        if isinstance(self.compression.schedule, AdaptiveBudget):  # the next step's budgets, from this step's tail
-            self.compression.schedule.update(bin_tails(acceptance))
-            self.state.kv_budgets = list(self.compression.schedule.budgets)
-        corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, self.corrections)
-        # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
-        flagged = corrections if self.corrections == REFERENCE_CORRECTIONS else \
-            compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, REFERENCE_CORRECTIONS)
-        included = None if cfg.train.rejected_in_baseline else corrections.seq_keep
-        advantages = group_advantages(rewards, group, included)
-        recompute_s = time.perf_counter() - recompute_started
+        if self.sparse:
+            data.acceptance = rollout_alpha_metrics(self.model, data.rollouts.shards, cfg.rollout.temperature,
+                                                    cfg.rollout.alpha_bin_size, micro_batch_size=mb,
+                                                    sampler_context=self.sampler)
 
-        update_started = time.perf_counter()
-        keep = corrections.keep_mask
-        rejected = 1.0 - float(keep.sum()) / max(float(batch.response_mask.sum()), 1.0)
-        filter_rates = {k: v for k, v in corrections.metrics.items() if k.startswith("applied_")}
+    def _correct(self, data: StepBatch) -> None:
+        """The mode's corrections, what Sparse-RL's would flag, and the group advantages."""
+        batch = data.batch
+        data.corrections = compute_corrections(data.logp_old, batch.sampler_logprobs, batch.response_mask,
+                                               self.corrections)
+        # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
+        data.flagged = data.corrections if self.corrections == REFERENCE_CORRECTIONS else \
+            compute_corrections(data.logp_old, batch.sampler_logprobs, batch.response_mask, REFERENCE_CORRECTIONS)
+        included = None if self.config.train.rejected_in_baseline else data.corrections.seq_keep
+        data.advantages = group_advantages(data.rewards, self.config.rollout.group_size, included)
+
+    def _guard_rejections(self, data: StepBatch) -> tuple[float, bool]:
+        """The rejected token fraction, and whether the update is skipped (nothing kept). Warns on a first
+        step outside the filters' range and once on starving; stops after max_rejected_steps in a row."""
+        cfg, step = self.config, data.step
+        keep = data.corrections.keep_mask
+        rejected = 1.0 - float(keep.sum()) / max(float(data.batch.response_mask.sum()), 1.0)
+        filter_rates = {k: v for k, v in data.corrections.metrics.items() if k.startswith("applied_")}
         if step == 1 and any(v > OUT_OF_RANGE_FRAC for v in filter_rates.values()):
             worst = max(filter_rates, key=filter_rates.get)
-            warnings.warn(f"step 1: {worst} = {filter_rates[worst]:.0%} (> {OUT_OF_RANGE_FRAC:.0%}): the sparse-vs-dense "
-                          f"mismatch is likely outside the range of mode {cfg.train.mode}'s filters; consider a larger "
-                          "--kv-budget, a calibrated --kv-schedule, or a mode without rejection (docs/results.md)")
-        starving = bool(filter_rates) and rejected > cfg.train.warn_rejected_frac
-        if starving:
+            warnings.warn(f"step 1: {worst} = {filter_rates[worst]:.0%} (> {OUT_OF_RANGE_FRAC:.0%}): the "
+                          f"sparse-vs-dense mismatch is likely outside the range of mode {cfg.train.mode}'s filters; "
+                          "consider a larger --kv-budget, a calibrated --kv-schedule, or a mode without rejection "
+                          "(docs/results.md)")
+        if filter_rates and rejected > cfg.train.warn_rejected_frac:
             self.state.starving_steps += 1
             if not self._starve_warned:  # once per run; the count is in the metrics and the summary
                 self._starve_warned = True
@@ -295,40 +349,29 @@ class GRPOTrainer:
             self.state.skipped_steps += 1
             warnings.warn(f"step {step}: every response token was rejected; skipping the update "
                           f"({self.state.skipped_steps} skipped so far)")
-            update = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
-                      "ratio_mean": 1.0, "grad_norm": 0.0, "optimizer_steps": 0}
-        else:
-            update = self._update(batch, logp_old, logp_ref, advantages, corrections.weights, keep, generator,
-                                  first_forward)
-            if self.distill is not None:
-                update.update(self.distill.train_step(rollouts.shards, advantages, mb))
-        update_s = time.perf_counter() - update_started
+        return rejected, skipped
 
-        diagnostics = {**_kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),
-                       **_kept_vs_rejected(rewards, batch.response_lengths, corrections.seq_keep, "", "rejected"),
-                       **_kept_advantages(advantages, keep)}
-        diagnostics.update(walk_metrics(self.task, texts, examples, group))
-        counts = self.reward.pop_counts()  # failures, timeouts and each reward function's mean
-        self.state.reward_failures += counts["reward_failures"]
-        self.state.reward_timeouts += counts["reward_timeouts"]
+    def _update_policy(self, data: StepBatch) -> dict[str, float]:
+        corrections = data.corrections
+        update = self._update(data.batch, data.logp_old, data.logp_ref, data.advantages, corrections.weights,
+                              corrections.keep_mask, data.generator, data.fused_forward)
+        for hook in self.hooks:
+            update.update(hook.after_update(self, data))
+        return update
+
+    def _diagnose(self, data: StepBatch) -> dict[str, float]:
+        """Mismatch, rejection and acceptance metrics of the step, and the task's own."""
+        batch, rewards, corrections, flagged = data.batch, data.rewards, data.corrections, data.flagged
+        by_length = rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges())
         return {
-            "step": step,
-            **rollout_metrics(batch, rewards, rollouts),
-            **update,
             **corrections.metrics,
             **{flagged_name: flagged.metrics[name] for name, flagged_name in FLAGGED_METRICS.items()},
-            **{"flagged_" + key: value for key, value in
-               rejection_by_length(batch.response_lengths, flagged.seq_keep, self._length_edges()).items()},
-            **diagnostics,
-            **acceptance,
-            **budgets_used,
-            **recalibration,
-            "rejected_token_frac": rejected,
-            "skipped": int(skipped), "skipped_steps": self.state.skipped_steps,
-            "starving_steps": self.state.starving_steps,
-            **counts,
-            "recompute_s": recompute_s, "update_s": update_s, "step_s": time.perf_counter() - started,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            **{"flagged_" + key: value for key, value in by_length.items()},
+            **kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),
+            **kept_vs_rejected(rewards, batch.response_lengths, corrections.seq_keep, "", "rejected"),
+            **kept_advantages(data.advantages, corrections.keep_mask),
+            **walk_metrics(self.task, data.texts, data.examples, self.config.rollout.group_size),
+            **data.acceptance,
         }
 
     def _update(self, batch: RolloutBatch, logp_old, logp_ref, advantages, weights, keep, generator,
@@ -373,28 +416,6 @@ class GRPOTrainer:
         return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
 
     # ------------------------------------------------------------------ schedules
-    def _recalibrates_at(self, step: int) -> bool:
-        every = self.config.rollout.recalibrate_every
-        # Steps 1, N+1, 2N+1, ...; step 1 only when no schedule file was given to start from.
-        return bool(every) and (step - 1) % every == 0 and (step > 1 or not self.config.rollout.kv_schedule)
-
-    def _recalibrate(self, step: int) -> dict[str, float]:
-        """Sparrow's calibration on the current weights and this step's prompts; the schedule it finds
-        replaces the one in force from this step on."""
-        rollout = self.config.rollout
-        started = time.perf_counter()
-        self.model.eval()
-        examples = self.task.examples(rollout.calibration_prompts, seed=step_seed(self.config.train.seed, step),
-                                      split="train")
-        found = calibrate_schedule(self.model, self.tokenizer, self.max_new_tokens, rollout, examples,
-                                   calibration_budgets(rollout),
-                                   rollout.alpha_tau, rollout.alpha_bin_size, rollout.calibration_samples,
-                                   step_seed(self.config.train.seed, step), progress=False)
-        self.compression = dataclasses.replace(self.compression, schedule=found.schedule)
-        self.state.kv_budgets = list(found.schedule.budgets)
-        return {"recalibrated": 1, "recalibrate_s": time.perf_counter() - started,
-                "recalibration_unmet_bins": len(found.unmet_bins)}
-
     def _schedule_metrics(self) -> dict[str, float]:
         """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
         schedule = self.compression.schedule if self.sparse else None
@@ -405,27 +426,3 @@ class GRPOTrainer:
     def _length_edges(self) -> list[int]:
         top = self.max_new_tokens
         return [math.ceil(top * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]
-
-
-def _kept_vs_rejected(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: torch.Tensor, prefix: str,
-                      rejected: str) -> dict[str, float]:
-    """Reward and length of the rollouts a filter keeps vs removes whole: does it separate good from bad?"""
-    out = {}
-    for name, rows in (("kept", seq_keep), (rejected, ~seq_keep)):
-        if bool(rows.any()):
-            out[f"{prefix}reward_{name}_mean"] = float(rewards[rows].mean())
-            out[f"{prefix}response_len_{name}_mean"] = float(lengths[rows].float().mean())
-    return out
-
-
-def _kept_advantages(advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
-    """The advantages that still train after the filters. Group advantages sum to 0; a filter that
-    removes more of one sign leaves a net push (`kept_advantage_sum` ≠ 0) on the kept rows.
-
-    advantages: [B]; keep: [B, T] 0/1.
-    """
-    rows = keep.sum(dim=1) > 0
-    kept = advantages[rows]
-    return {"kept_advantage_sum": float(kept.sum()),
-            "kept_advantage_mean": float(kept.mean()) if len(kept) else 0.0,
-            "kept_advantage_token_mean": float((advantages[:, None] * keep).sum() / keep.sum().clamp(min=1))}
