@@ -8,7 +8,8 @@ from conftest import make_tiny_model
 
 from sparserl.rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig
 from sparserl.rollout.kv_cache import KVStats
-from sparserl.rollout.sampler import LocalRollouts, Sampler, concat_rollouts, plan_shards, shard_seed
+from sparserl.rollout.sampler import LocalRollouts, Sampler, concat_rollouts, plan_shards
+from sparserl.rollout.scheduler import request_seed
 
 
 def test_shards_hold_whole_groups_in_order_and_the_first_ones_take_the_remainder():
@@ -20,10 +21,12 @@ def test_shards_hold_whole_groups_in_order_and_the_first_ones_take_the_remainder
         plan_shards(prompts, group_size=3, shards=6, step_seed=11)  # more shards than groups
 
 
-def test_shard_zero_keeps_the_step_seed_and_the_others_differ_across_steps_and_shards():
-    assert shard_seed(12345, 0) == 12345
-    seeds = {shard_seed(step, index) for step in range(100) for index in range(1, 8)}
-    assert len(seeds) == 700 and all(0 <= s < 2 ** 63 for s in seeds)
+def test_every_row_of_a_step_has_its_own_seed_whatever_the_shards():
+    prompts = [[g] for g in range(4) for _ in range(2)]
+    one, two = plan_shards(prompts, 2, 1, step_seed=5), plan_shards(prompts, 2, 2, step_seed=5)
+    assert one[0].seeds == two[0].seeds + two[1].seeds == [request_seed(5, row) for row in range(8)]
+    seeds = {request_seed(step, row) for step in range(100) for row in range(8)}
+    assert len(seeds) == 800 and all(0 <= s < 2 ** 63 for s in seeds)
 
 
 def _batch(prompt_rows, response_rows, logprob):
@@ -57,16 +60,17 @@ def test_merged_shards_are_padded_to_the_widest_prompt_and_response():
     assert concat_rollouts([a], pad_token_id=0) is a
 
 
-def test_sharded_sampling_gives_each_shard_the_rows_it_would_have_alone():
-    """Shard k sampled in a step equals that shard's prompts sampled alone with its seed."""
+def test_shards_change_no_sampled_token():
+    """The step's rows are the same sampled as one shard or as two (each row has its own seed, and
+    every shard pads to the step's prompt width)."""
     model, tokenizer = make_tiny_model()
-    sampling = SamplingConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
     prompts = [[5, 6, 7]] * 2 + [[8, 9]] * 2 + [[10]] * 2
-    plan = plan_shards(prompts, group_size=2, shards=2, step_seed=7)
-    step = LocalRollouts(Sampler(RolloutEngine(model))).generate(plan, sampling, None)
-    alone = RolloutEngine(model).generate(plan[1].prompts, sampling,
-                                          torch.Generator().manual_seed(shard_seed(7, 1)))
-    assert torch.equal(step.shards[1].response_ids, alone.response_ids)
-    assert torch.equal(step.shards[1].sampler_logprobs, alone.sampler_logprobs)
-    assert len(step.shards[0]) == 4 and len(step.shards[1]) == 2
-
+    sampling = SamplingConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                              prompt_width=3)
+    sampler = LocalRollouts(Sampler(RolloutEngine(model)))
+    whole = sampler.generate(plan_shards(prompts, 2, 1, step_seed=7), sampling, None)
+    split = sampler.generate(plan_shards(prompts, 2, 2, step_seed=7), sampling, None)
+    assert [len(s) for s in split.shards] == [4, 2]
+    merged = concat_rollouts(split.shards, tokenizer.pad_token_id)
+    assert torch.equal(merged.response_ids, whole.shards[0].response_ids)
+    assert torch.allclose(merged.sampler_logprobs, whole.shards[0].sampler_logprobs, atol=1e-5)

@@ -30,7 +30,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         groups[section].add_argument(
             "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None,
             metavar=_named_choices(name) or _metavar(annotation),
-            help=f"{helps.get(name, '')} (default: {shown})")
+            help=f"{helps.get(name, '')} (default: {shown})".replace("%", "%%"))  # argparse formats help with %
 
 
 def _named_choices(name: str) -> str | None:

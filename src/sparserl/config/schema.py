@@ -23,6 +23,7 @@ from ..rollout.kv_policies import build_policy, policy_options
 from ..tasks.registry import task_class
 from .corrections import CorrectionConfig
 from .presets import PRESETS, PresetError, load_preset
+from .sizes import parse_memory
 
 MODES: tuple[str, ...] = tuple(PRESETS)
 
@@ -75,6 +76,8 @@ class RolloutConfig:
     rollout_timeout: float = 600.0  # seconds a worker may take for one shard before it is replaced and the shard retried
     worker_gpus: float = 0.0  # GPUs each rollout worker asks Ray for on a CUDA device (fractions colocate); 0 = 1 / rollout_workers
     worker_cpus: int = 1  # CPUs each rollout worker asks Ray for (its torch threads at most, when --threads is auto)
+    rollout_kv_memory: str | None = None  # KV memory for the rows in flight: a size (64MiB, 20GiB) or auto (90% of the memory free after the weights); each row reserves what its cache can reach, so a compressed sampler runs more rows in the same bytes; none: no limit
+    max_concurrent_rows: int = 0  # the most rows decoding at once (0: the whole step, or what --rollout-kv-memory holds)
 
 
 # The KV policies' options (kv_lambda, kv_sinks, ...) are fields of the policies themselves
@@ -351,6 +354,7 @@ def validate(config: ExperimentConfig) -> None:
         (0 <= config.train.max_reward_failure_frac <= 1, "max_reward_failure_frac must be in [0, 1]"),
         (config.model.threads == "auto" or config.model.threads >= 0,
          "threads must be auto or >= 0 (0: torch's default)"),
+        (config.rollout.max_concurrent_rows >= 0, "max_concurrent_rows must be >= 0 (0: no limit)"),
         (config.train.weight_decay >= 0, "weight_decay must be >= 0"),
         (config.train.grad_clip > 0, "grad_clip must be > 0 (the largest gradient norm an update may have)"),
         (config.train.entropy_coef >= 0, "entropy_coef must be >= 0 (a bonus for entropy; 0: none)"),
@@ -360,6 +364,8 @@ def validate(config: ExperimentConfig) -> None:
         if not ok:
             raise ConfigError(message)
     task_class(config.task.task)
+    if config.rollout.rollout_kv_memory is not None:
+        parse_memory(config.rollout.rollout_kv_memory)
     _validate_kv_policy(config.rollout)
     _validate_recalibration(config.rollout)
     _validate_block(config.rollout)

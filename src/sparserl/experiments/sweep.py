@@ -28,7 +28,6 @@ from tqdm import tqdm
 from ..config.corrections import CorrectionConfig
 from ..learner.corrections import compute_corrections
 from ..model.forward import batched_logprobs
-from ..model.loading import sampling_generator
 from ..rollout.engine import KVCompression, sparsity_from_config
 from ..train.evaluation import complete, evaluate_policy, task_rewards
 from .eval import held_out
@@ -47,7 +46,7 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
     """Veto and band rates of Sparse-RL's default filters, ξ's 1% quantile and sampled accuracy, on
     `samples` rollouts per example with the dense recompute as π_old."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                    generator=sampling_generator(model, seed))
+                    seed=seed)
     vetoed = banded = alive = rows = 0.0
     quantiles = []
     for batch in done.batches:

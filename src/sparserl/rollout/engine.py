@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.loading import sampling_generator
 from .attention import masked_attention
 from .block_sparse import BlockSelections, BlockSelector, BlockSparsity
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
@@ -33,6 +34,13 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 means greedy
     eos_token_id: int | None = None
     pad_token_id: int = 0
+    # Pad prompts to at least this width (the step's longest prompt): a row's columns, and so when its
+    # cache is compressed, then do not depend on which rows share its batch. None: the batch's longest.
+    prompt_width: int | None = None
+    # The rollout scheduler's limits on rows in flight (`scheduler.py`): a KV memory budget in bytes
+    # (None: none) and a row count (0: none).
+    kv_memory_bytes: int | None = None
+    max_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,9 +124,10 @@ class RolloutBatch:
         return self.prompt_ids.shape[0]
 
 
-def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N, P]` ids and bool mask for left-padded prompts."""
-    width = max(len(p) for p in prompts)
+def left_pad(prompts: list[list[int]], pad_token_id: int,
+             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, P]` ids and bool mask for left-padded prompts; P is the longest prompt, or `width` if larger."""
+    width = max(width or 0, max(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.bool)
     for row, prompt in enumerate(prompts):
@@ -182,6 +191,13 @@ class _RolloutAttention:
             received[:, :, : previous.shape[2]] += previous
         self.mass[layer_idx] = received
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (the others finished)."""
+        self.queries = {layer: q.index_select(0, rows) for layer, q in self.queries.items()}
+        self.mass = {layer: m.index_select(0, rows) for layer, m in self.mass.items()}
+        if self.window_real is not None:
+            self.window_real = self.window_real.index_select(0, rows)
+
     def after_keep(self, layer_idx: int, slots: torch.Tensor) -> None:
         if layer_idx in self.mass:
             per_head = slots if slots.shape[1] != 1 else slots.expand(-1, self.mass[layer_idx].shape[1], -1)
@@ -206,8 +222,12 @@ class RolloutEngine:
     """
 
     def __init__(self, model, compression: KVCompression | BlockSparsity | None = None,
-                 record_evictions: bool = True, record_distributions: bool = False):
+                 record_evictions: bool = True, record_distributions: bool = False,
+                 release_finished_rows: bool = True):
+        """`release_finished_rows=False` keeps every row in the batch until the longest ends (a static
+        batch, the engine's shape before rows could leave; `bench/scheduler.py` compares the two)."""
         self.model = model
+        self.release_finished_rows = release_finished_rows
         self.compression = compression
         self.policy = compression.build_policy() if isinstance(compression, KVCompression) else None
         self.record_distributions = record_distributions
@@ -216,36 +236,48 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 generator: torch.Generator | None = None, on_step=None) -> RolloutBatch:
-        """`on_step`, if given, is called after each decode step (a progress bar's `update`)."""
+                 generator: torch.Generator | None = None, on_step=None,
+                 seeds: list[int] | None = None) -> RolloutBatch:
+        """Sample one response per prompt. Randomness comes from `seeds` (one per row: each row draws
+        from its own generator, so its tokens do not depend on the other rows) or else from the one
+        `generator` shared by the batch. `on_step`, if given, is called after each decode step.
+
+        A row that has ended leaves the batch (its cache rows are dropped) once an eighth of the rows
+        in it have ended, so finished rows stop costing compute; block-sparse rollouts keep every row.
+        """
         started = time.perf_counter()
         model = self.model
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        prompt_ids, prompt_mask = left_pad(prompts, sampling.pad_token_id)
+        prompt_ids, prompt_mask = left_pad(prompts, sampling.pad_token_id, sampling.prompt_width)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         batch, width = prompt_ids.shape
         steps = sampling.max_new_tokens
         comp = self.compression if isinstance(self.compression, KVCompression) else None
         block = self.compression if isinstance(self.compression, BlockSparsity) else None
-        num_layers = len(_decoder_layers(model))
         page = block.page_size if block else 1
         full = -(-(width + steps) // page) * page  # block attention gathers whole pages of the buffers
-        # Each layer holds at most max(prompt, its largest budget) + interval slots; dense holds everything.
-        capacities = [min(max(width, self._layer_budgets(comp.budgets.max_budget, num_layers)[i]) + comp.interval,
-                          width + steps) for i in range(num_layers)] if comp else [full] * num_layers
-        # Compressed buffers grow an interval at a time, so that memory follows a growing schedule.
+        capacities = self.capacities(width, steps, len(_decoder_layers(model)))
+        # Compressed buffers grow an interval at a time, so that memory follows a growing schedule; a budget
+        # that can never bind grows as the dense cache does (and so costs the same memory when rows leave).
+        growth = comp.interval if comp and min(capacities) < full else 64
         cache = build_cache(model, batch, capacities, bool(comp and comp.per_head), dtype, device,
-                            full_capacity=full, growth=comp.interval if comp else 64, page_size=page)
+                            full_capacity=full, growth=growth, page_size=page)
+        slot_bytes = cache.bytes_per_slot()  # of the whole batch, before rows leave
         selector = BlockSelector(block, cache, steps, width, self.record_evictions) if block else None
         provider = _RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
                                      keep_mass=bool(comp and self.policy.needs_attention_mass), selector=selector)
+        generators = [sampling_generator(model, seed) for seed in seeds] if seeds is not None else None
+        if generators is not None and len(generators) != batch:
+            raise ValueError(f"{len(generators)} seeds for {batch} prompts")
         prompt_lengths = prompt_mask.sum(dim=1)
         response_ids = torch.full((batch, steps), sampling.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
         live = torch.ones(batch, dtype=torch.bool, device=device)  # still generating
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         ended = torch.zeros(batch, dtype=torch.bool, device=device)
+        held = torch.zeros(batch, dtype=torch.float32, device=device)  # real tokens cached when a row left
+        rows = torch.arange(batch, device=device)  # the batch row of each cache row
         stats = KVStats()
         evictions: list[EvictionEvent] = []
         since_compression = 0
@@ -262,44 +294,57 @@ class RolloutEngine:
             logits = model(input_ids=prompt_ids, position_ids=positions, **{cache_keyword: cache},
                            use_cache=True, logits_to_keep=1).logits[:, -1]
             for step in range(steps):
-                token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator)
+                token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator, generators)
                 if self.record_distributions and step_logp.shape[-1] <= FULL_DISTRIBUTION_VOCAB:
-                    distributions.append(step_logp)
-                token = torch.where(live, token, sampling.pad_token_id)
-                response_ids[:, step] = token
-                logprobs[:, step] = torch.where(live, token_logprob, 0.0)
-                lengths += live.long()
-                fed_real = live.clone()
+                    distributions.append(step_logp.new_zeros(batch, step_logp.shape[-1]).index_copy_(0, rows,
+                                                                                                   step_logp))
+                fed_real = live[rows]
+                token = torch.where(fed_real, token, sampling.pad_token_id)
+                response_ids[rows, step] = token
+                logprobs[rows, step] = torch.where(fed_real, token_logprob, 0.0)
+                lengths[rows] += fed_real.long()
                 if sampling.eos_token_id is not None:
-                    hit_eos = live & (token == sampling.eos_token_id)
-                    ended |= hit_eos
-                    live &= ~hit_eos
-                # The one host sync of a step, and only when rows can stop early.
-                if step == steps - 1 or (sampling.eos_token_id is not None and not bool(live.any())):
+                    hit_eos = fed_real & (token == sampling.eos_token_id)
+                    ended[rows] |= hit_eos
+                    live[rows] = fed_real & ~hit_eos
+                if step == steps - 1:
                     break
+                if sampling.eos_token_id is not None:
+                    still = live[rows]
+                    remaining = int(still.sum())  # the one host sync of a step, and only when rows can stop early
+                    if remaining == 0:
+                        break
+                    if self.release_finished_rows and selector is None and \
+                            len(rows) - remaining >= max(1, len(rows) // 8):
+                        staying = still.nonzero().squeeze(1)
+                        held[rows] = _held_tokens(cache, fed_tokens[rows])
+                        rows, token, fed_real = rows[staying], token[staying], fed_real[staying]
+                        self._drop_finished(cache, provider, staying)
+                        generators = [generators[i] for i in staying.tolist()] if generators is not None else None
                 if comp and since_compression >= comp.interval:
                     # The schedule reads the cached length of the longest prompt's row (padded columns),
                     # the most any row of the batch has fed.
-                    budgets = self._layer_budgets(comp.budgets.budget(width + step), num_layers)
-                    if self._compress(cache, provider, budgets, width + step, evictions, stats):
+                    budgets = self._layer_budgets(comp.budgets.budget(width + step), len(cache.layers))
+                    if self._compress(cache, provider, budgets, width + step, evictions, stats, rows, batch):
                         since_compression = 0
-                provider.begin_forward((width + step) * torch.ones(batch, 1, dtype=torch.long, device=device),
+                provider.begin_forward((width + step) * torch.ones(len(rows), 1, dtype=torch.long, device=device),
                                        fed_real[:, None])
                 if selector is not None:
                     selector.begin_step(step, width + step, width + step + 1)
-                logits = model(input_ids=token[:, None], position_ids=(prompt_lengths + step)[:, None],
+                logits = model(input_ids=token[:, None], position_ids=(prompt_lengths[rows] + step)[:, None],
                                **{cache_keyword: cache}, use_cache=True).logits[:, -1]
                 since_compression += 1
-                fed_tokens += fed_real.long()
+                fed_tokens[rows] += fed_real.long()
                 if on_step is not None:
                     on_step(1)
 
+        held[rows] = _held_tokens(cache, fed_tokens[rows])
         peaks = cache.peak_bytes()
         stats.kv_peak_bytes_by_layer_type = peaks
         stats.kv_peak_bytes = sum(peaks.values())
         span = int(lengths.max())
-        stats.kv_dense_bytes = cache.bytes_per_slot() * (width + span)
-        stats.kept_tokens, stats.evicted_tokens = _token_accounting(cache, fed_tokens)
+        stats.kv_dense_bytes = slot_bytes * (width + span)
+        stats.kept_tokens, stats.evicted_tokens = held, fed_tokens.float() - held
         if selector is not None:
             stats.attended_frac = selector.attended_frac
         response_mask = (torch.arange(span, device=device)[None, :] < lengths[:, None]).float()
@@ -314,11 +359,42 @@ class RolloutEngine:
             replayable=self.compression is None or self.record_evictions,
         )
 
+    def capacities(self, width: int, steps: int, num_layers: int) -> list[int]:
+        """Slots each layer's buffer may reach for prompts of width `width` and `steps` new tokens: the
+        whole sequence when dense (or block-sparse, in whole pages); max(prompt, the layer's largest
+        budget) + one interval when compressed."""
+        comp = self.compression if isinstance(self.compression, KVCompression) else None
+        if comp is None:
+            page = self.compression.page_size if isinstance(self.compression, BlockSparsity) else 1
+            return [-(-(width + steps) // page) * page] * num_layers
+        budgets = self._layer_budgets(comp.budgets.max_budget, num_layers)
+        return [min(max(width, budgets[i]) + comp.interval, width + steps) for i in range(num_layers)]
+
+    def row_bytes(self, width: int, steps: int) -> int:
+        """The KV bytes one row can reach (its buffers at capacity) for prompts of width `width` and
+        `steps` new tokens."""
+        parameter = next(self.model.parameters())
+        capacities = self.capacities(width, steps, len(_decoder_layers(self.model)))
+        full = width + steps if isinstance(self.compression, KVCompression) else capacities[0]
+        # An empty cache of one row: its layers know their kinds and capacities and allocate nothing yet.
+        cache = build_cache(self.model, 1, capacities, False, parameter.dtype, parameter.device, full_capacity=full)
+        return sum(layer.max_capacity * 2 * layer.kv_heads * layer.head_dim * parameter.element_size()
+                   for layer in cache.layers)
+
+    def _drop_finished(self, cache: BufferCache, provider: _RolloutAttention, staying: torch.Tensor) -> None:
+        for layer in cache.layers:
+            layer.select_rows(staying)
+        provider.select_rows(staying)
+        if self.policy is not None:
+            self.policy.select_rows(staying)
+
     def _layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         return [self.policy.layer_budget(budget, i, num_layers) for i in range(num_layers)]
 
     def _compress(self, cache: BufferCache, provider: _RolloutAttention, budgets: list[int], next_column: int,
-                  evictions: list[EvictionEvent], stats: KVStats) -> bool:
+                  evictions: list[EvictionEvent], stats: KVStats, rows: torch.Tensor, batch: int) -> bool:
+        """Compress every layer past its budget. `rows`: the batch row of each cache row (of `batch`); the
+        record holds every batch row, rows that have left with column 0 (their later queries are padding)."""
         started = time.perf_counter()
         comp = self.compression
         compressed = False
@@ -338,7 +414,9 @@ class RolloutEngine:
             layer.keep(slots)
             provider.after_keep(layer_idx, slots)
             if self.record_evictions:
-                evictions.append(EvictionEvent(next_column, layer_idx, layer.columns[:, :, :budget].clone()))
+                kept = layer.columns[:, :, :budget]
+                evictions.append(EvictionEvent(next_column, layer_idx,
+                                               kept.new_zeros(batch, *kept.shape[1:]).index_copy_(0, rows, kept)))
             compressed = True
         if compressed:
             stats.compressions += 1
@@ -346,24 +424,30 @@ class RolloutEngine:
         return compressed
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """Token `[N]`, its log-prob `[N]` and the whole log-distribution `[N, V]` it was drawn from."""
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+            row_generators: list[torch.Generator] | None = None):
+    """Token `[N]`, its log-prob `[N]` and the whole log-distribution `[N, V]` it was drawn from; each
+    row draws from its own generator when `row_generators` is given, else all from `generator`."""
     logits = logits.float()
     if temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
         token = logp.argmax(dim=-1)
     else:
         logp = torch.log_softmax(logits / temperature, dim=-1)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        probs = logp.exp()
+        if row_generators is not None:
+            token = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)
+                               for i, g in enumerate(row_generators)]).squeeze(1)
+        else:
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     return token, logp.gather(1, token[:, None]).squeeze(1), logp
 
 
-def _token_accounting(cache: BufferCache, fed_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Real tokens held at the end, and evicted, per sequence, averaged over full-attention layers."""
+def _held_tokens(cache: BufferCache, fed_tokens: torch.Tensor) -> torch.Tensor:
+    """Real tokens each cache row holds `[A]`, averaged over full-attention layers (all fed ones without any)."""
     held = [layer.real[:, :, : layer.length].sum(dim=-1).float().mean(dim=1)
             for layer in cache.layers if not layer.is_sliding]
-    kept = torch.stack(held).mean(dim=0) if held else fed_tokens.float()
-    return kept, fed_tokens.float() - kept
+    return torch.stack(held).mean(dim=0) if held else fed_tokens.float()
 
 
 def _decoder_layers(model) -> list:

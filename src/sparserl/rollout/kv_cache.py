@@ -123,6 +123,12 @@ class BufferLayer(CacheLayerMixin):
         self.real[:, :, :kept] = self.real[:, :, : self.length].gather(2, slot_index)
         self.length = kept
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (the others finished): their buffers shrink with them."""
+        self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+        self.columns, self.real = self.columns.index_select(0, rows), self.real.index_select(0, rows)
+        self.batch = len(rows)
+
     def gather_pages(self, pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[N, Hkv, k·page_size, D]` of the pages `pages [N, k]` (slots
         page·page_size onward), whole pages even past the length (the caller masks those slots)."""
@@ -170,6 +176,8 @@ class KVStats:
     # Block-sparse attention: mean over decode steps and sparse layers of attended real keys / cached
     # real keys (1.0 for dense and eviction rollouts, which attend to all they hold).
     attended_frac: float = 1.0
+    rows_in_flight: int = 0  # the most rows decoding at once (the scheduler's S; 0: not scheduled)
+    waves: int = 1  # batches of at most S rows run one after the other
 
 
 class BufferCache(Cache):

@@ -126,6 +126,9 @@ class KVPolicy:
     def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
         """Called with the inputs just scored and the slots `[N, Hs, B]` about to be kept."""
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the per-row state of batch rows `rows` (the others finished)."""
+
 
 @register
 @dataclass
@@ -255,6 +258,9 @@ class RKV(KVPolicy):
         self._row_sums: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L] for the slots scored last
         self._unit: torch.Tensor | None = None  # the unit keys `score` made, for `before_keep`
         self._buffer = torch.empty(0)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._row_sums = {layer: sums.index_select(0, rows) for layer, sums in self._row_sums.items()}
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         real, _ = inputs.per_kv_head()

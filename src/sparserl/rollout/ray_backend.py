@@ -245,8 +245,8 @@ class RayRollouts:
                    "rollout_compute_s": sum(r.compute_seconds for r in ordered),
                    "rollout_transfer_s": sum(transfer) / len(transfer)}
         self.push_seconds = 0.0  # counted once, in the step that pushed
-        return StepRollouts([move_to(r.batch, self.device) for r in ordered],
-                            ordered[0].generator_state, time.perf_counter() - started, retries, timeouts, timings)
+        return StepRollouts([move_to(r.batch, self.device) for r in ordered], time.perf_counter() - started,
+                            retries, timeouts, timings)
 
     def _retry(self, index: int, shard: Shard, pending: collections.deque, failures: collections.Counter,
                reason: str) -> None:

@@ -1,13 +1,14 @@
 """A step's rollouts: the sampler, fixed shards of prompt groups, and in-process sampling.
 
 The `Sampler` is the rollout engine (dense, or with its sparsity and budget schedule) plus
-DistillSparse's adapter, switched on while it samples. It only samples (the adapter's training
-and optimizer are the learner's `DistillTrainer`) and takes an integer seed, which makes it the unit a Ray worker wraps (`sparserl.rollout.ray_backend`).
+DistillSparse's adapter, switched on while it samples; it runs a shard's rows through the rollout
+scheduler (`scheduler.py`). It only samples (the adapter's training and optimizer are the learner's
+`DistillTrainer`), which makes it the unit a Ray worker wraps (`sparserl.rollout.ray_backend`).
 
-A step's prompt groups are split into `rollout_shards` fixed shards of whole groups; each shard is
-sampled as one batch with its own seed (`plan_shards`). Whether the shards run here one after the
-other (`LocalRollouts`) or on N Ray workers, each sees the same prompts, weights and seed, so the
-step's data do not depend on how many workers there are: N workers reproduce N = 0 exactly.
+A step's prompt groups are split into `rollout_shards` fixed shards of whole groups (`plan_shards`).
+Every row samples from its own seed, derived from (step seed, row), and every shard pads its prompts
+to the step's longest, so neither the shards, nor whether they run here one after the other
+(`LocalRollouts`) or on N Ray workers, nor the rows in flight change a sampled token.
 """
 
 from __future__ import annotations
@@ -16,31 +17,23 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..model.loading import sampling_generator
 from .adapter import sampler_context
 from .engine import RolloutBatch, RolloutEngine, SamplingConfig
 from .kv_cache import KVStats
+from .scheduler import request_seed, schedule_rollouts
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Whole prompt groups sampled as one batch: `prompts` holds each prompt G times, group by group."""
+    """Whole prompt groups sampled as one batch: `prompts` holds each prompt G times, group by group;
+    `seeds` one sampling seed per row."""
 
     index: int
     prompts: list[list[int]]
-    seed: int
-
-
-def shard_seed(step_seed: int, index: int) -> int:
-    """Shard 0 samples with the step's own seed (so one shard is the unsharded run); the others with
-    independent streams derived from (step seed, index)."""
-    if index == 0:
-        return step_seed
-    return int(np.random.SeedSequence([step_seed, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    seeds: list[int]
 
 
 def plan_shards(prompts: list[list[int]], group_size: int, shards: int, step_seed: int) -> list[Shard]:
@@ -52,20 +45,18 @@ def plan_shards(prompts: list[list[int]], group_size: int, shards: int, step_see
     plan, start = [], 0
     for index in range(shards):
         count = groups // shards + (index < groups % shards)
-        rows = slice(start * group_size, (start + count) * group_size)
-        plan.append(Shard(index, prompts[rows], shard_seed(step_seed, index)))
+        rows = range(start * group_size, (start + count) * group_size)
+        plan.append(Shard(index, prompts[rows.start:rows.stop], [request_seed(step_seed, row) for row in rows]))
         start += count
     return plan
 
 
 @dataclass
 class ShardResult:
-    """One sampled shard. `generator_state` is the shard's sampling generator after sampling (the
-    update's minibatch shuffle continues shard 0's); `version` the weights it was sampled with."""
+    """One sampled shard; `version`: the weights it was sampled with."""
 
     index: int
     batch: RolloutBatch
-    generator_state: torch.Tensor
     version: int
     compute_seconds: float
     weight_load_seconds: float = 0.0
@@ -76,7 +67,6 @@ class StepRollouts:
     """All shards of a step, in shard order, and what sampling them cost."""
 
     shards: list[RolloutBatch]
-    generator_state: torch.Tensor  # shard 0's, see ShardResult
     wall_seconds: float  # from the request to the last shard back
     retries: int = 0  # shards sampled again because their worker died or hung
     timeouts: int = 0  # of which hung past rollout_timeout
@@ -93,10 +83,9 @@ class Sampler:
     def generate(self, shard: Shard, sampling: SamplingConfig, version: int) -> ShardResult:
         started = time.perf_counter()
         self.engine.model.eval()
-        generator = sampling_generator(self.engine.model, shard.seed)
         with sampler_context(self.adapter):
-            batch = self.engine.generate(shard.prompts, sampling, generator)
-        return ShardResult(shard.index, batch, generator.get_state(), version, time.perf_counter() - started)
+            batch = schedule_rollouts(self.engine, shard.prompts, sampling, shard.seeds)
+        return ShardResult(shard.index, batch, version, time.perf_counter() - started)
 
 
 class LocalRollouts:
@@ -113,7 +102,7 @@ class LocalRollouts:
         started = time.perf_counter()
         self.sampler.engine.compression = compression
         results = [self.sampler.generate(shard, sampling, self.version) for shard in shards]
-        return StepRollouts([r.batch for r in results], results[0].generator_state, time.perf_counter() - started)
+        return StepRollouts([r.batch for r in results], time.perf_counter() - started)
 
     def close(self) -> None:
         pass
@@ -213,6 +202,7 @@ def rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor, rollouts: StepRo
         "kv_compressions": kv.compressions,
         "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
         "kv_attended_frac": kv.attended_frac,
+        "rows_in_flight": kv.rows_in_flight, "rollout_waves": kv.waves,
         "rollout_s": rollouts.wall_seconds,
         "tokens_per_s": float(batch.response_mask.sum()) / max(rollouts.wall_seconds, 1e-9),
         "rollout_retries": rollouts.retries, "rollout_timeouts": rollouts.timeouts, **rollouts.timings,

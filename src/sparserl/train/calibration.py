@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from ..learner.alpha import bin_tails, rollout_alpha_metrics
-from ..model.loading import sampling_generator
 from ..rollout.engine import sparsity_from_config
 from ..rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
 from .evaluation import complete
@@ -30,7 +29,7 @@ def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: Budget
     compression = sparsity_from_config(dataclasses.replace(rollout, kv_schedule=None))
     compression = dataclasses.replace(compression, schedule=schedule)
     done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, samples=samples,
-                    generator=sampling_generator(model, seed), record_distributions=True)
+                    seed=seed, record_distributions=True)
     return bin_tails(rollout_alpha_metrics(model, done.batches, rollout.temperature, bin_size, quantile))
 
 

@@ -15,6 +15,7 @@ from ..learner.alpha import rollout_alpha_metrics
 from ..rewards.runner import RewardRunner
 from ..rollout.block_sparse import BlockSparsity
 from ..rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from ..rollout.scheduler import request_seed, schedule_rollouts
 from ..tasks.base import Example, Task, walk_metrics
 
 
@@ -30,27 +31,22 @@ class Completions:
 
 
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
-             compression: KVCompression | BlockSparsity | None = None, batch_size: int = 256, samples: int = 1,
-             generator: torch.Generator | None = None, progress: str | None = None,
-             record_distributions: bool = False) -> Completions:
-    """Sample `samples` completions per example (grouped: example i's come out consecutively).
-    `progress`: a label for a progress bar over the decode steps, None for silence."""
+             compression: KVCompression | BlockSparsity | None = None, max_rows: int = 256, samples: int = 1,
+             seed: int = 0, progress: str | None = None, record_distributions: bool = False) -> Completions:
+    """Sample `samples` completions per example (grouped: example i's come out consecutively), at most
+    `max_rows` at a time, row i from the seed (`seed`, i). `progress`: a label for a progress bar over
+    the decode steps, None for silence."""
     engine = RolloutEngine(model, compression, record_evictions=False, record_distributions=record_distributions)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              max_rows=max_rows)
     prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
-    texts, batches = [], []
-    starts = range(0, len(prompts), batch_size)
-    bar = tqdm(total=len(starts) * max_new_tokens, desc=progress, unit="tok", leave=False,
-               disable=progress is None)
-    for start in starts:
-        batch = engine.generate(prompts[start:start + batch_size], sampling, generator, on_step=bar.update)
-        bar.n = (len(batches) + 1) * max_new_tokens  # the batch may stop early: count it as done
-        bar.refresh()
-        texts.extend(decode_responses(tokenizer, batch))
-        batches.append(batch)
-    bar.close()
-    return Completions(texts, batches)
+    total = math.ceil(len(prompts) / max_rows) * max_new_tokens
+    with tqdm(total=total, desc=progress, unit="tok", leave=False, disable=progress is None) as bar:
+        batch = schedule_rollouts(engine, prompts, sampling, [request_seed(seed, row) for row in range(len(prompts))],
+                                  on_step=bar.update)
+        bar.n = total  # waves may stop early: count them as done
+    return Completions(decode_responses(tokenizer, batch), [batch])
 
 
 def response_ids(batch: RolloutBatch) -> list[list[int]]:
@@ -103,10 +99,8 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
         result["kv"] = {**_sparsity_settings(compression), **_kv_figures(greedy.batches)}
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
-        from ..model.loading import sampling_generator
-
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                           generator=sampling_generator(model, seed), progress=label("sampled"))
+                           seed=seed, progress=label("sampled"))
         hits = [r >= 1.0 for r in rewards.score_examples(examples, sampled.texts, sampled.ids, samples)]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]

@@ -36,9 +36,11 @@ from .layout import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE
 
 LOCK_FILE = ".lock"
 # Fields that may differ on resume without changing what the run is: its length and its logging.
-# Where the rollouts run does not change the data (the shards do, and they are not in this set).
+# Where the rollouts run, and how many rows run at once, do not change the data (the shards do, and
+# they are not in this set).
 RUN_FREE_FIELDS = frozenset({"steps", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
-                             "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus"})
+                             "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus",
+                             "rollout_kv_memory", "max_concurrent_rows"})
 Resume = Literal["never", "must", "auto"]
 
 

@@ -26,7 +26,7 @@ class StepBatch:
     """One step's data (B = prompts × group rows, T = response positions).
 
     sample: `examples` (one per prompt), `rollouts` (the shards as sampled), `batch` (their rows for
-        the learner), `generator` (the minibatch shuffle's, continuing shard 0's sampling generator);
+        the learner), `generator` (the minibatch shuffle's, seeded with the step's seed);
     score: `texts` (B decoded responses), `rewards` [B] float32;
     recompute: `logp_old` [B, T] (π_old's log-probs of the sampled tokens), `logp_ref` [B, T] (the
         reference model's, when kl_coef > 0), `fused_forward` (the update's own forward, log-probs and

@@ -32,13 +32,14 @@ from ..learner.corrections import compute_corrections, rejection_by_length
 from ..learner.distill import DistillTrainer, distill_config
 from ..learner.grpo import group_advantages, ppo_loss, token_coefficients
 from ..model.forward import batched_logprobs, micro_batches, response_logprobs
-from ..model.loading import load_policy, resolve_device
+from ..model.loading import load_policy, resolve_device, sampling_generator
 from ..model.threads import set_threads
 from ..rewards.runner import RewardRunner
 from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
 from ..rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
 from ..rollout.sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
 from ..rollout.schedule import AdaptiveBudget, BinnedBudget
+from ..rollout.scheduler import resolve_kv_memory
 from ..tasks.base import walk_metrics
 from ..tasks.registry import max_new_tokens, task_from_config
 from .checkpoint import TrainerState, load_adapter, load_trainer_state, save_checkpoint
@@ -144,6 +145,7 @@ class GRPOTrainer:
                                     record_distributions=self.sparse)
         self.rollouts = make_rollouts(config, self.engine, self.adapter, self.device)
         self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
+        self.kv_memory_bytes = resolve_kv_memory(config.rollout.rollout_kv_memory, self.device)
         self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.hooks = self._hooks(config)
@@ -268,14 +270,14 @@ class GRPOTrainer:
         self.model.eval()
         sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
                                   eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
-                                  pad_token_id=self.tokenizer.pad_token_id)
+                                  pad_token_id=self.tokenizer.pad_token_id,
+                                  prompt_width=max(len(p) for p in prompts), kv_memory_bytes=self.kv_memory_bytes,
+                                  max_rows=cfg.rollout.max_concurrent_rows)
         self.rollouts.sync_weights(self.model, self.state.step)
         rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
                                           self.compression if self.sparse else None)
         batch = concat_rollouts(rollouts.shards, self.tokenizer.pad_token_id)
-        # The minibatch shuffle continues shard 0's sampling generator (as it did before rollouts were sharded).
-        generator = torch.Generator(self.device).set_state(rollouts.generator_state)
-        return StepBatch(step, examples, rollouts, batch, generator)
+        return StepBatch(step, examples, rollouts, batch, sampling_generator(self.model, seed))
 
     def _score(self, data: StepBatch) -> None:
         data.texts = decode_responses(self.tokenizer, data.batch)

@@ -1,0 +1,178 @@
+"""Rows that leave and rows in flight: the rollout scheduler against a static batch, and dense against
+sparse rollouts at equal KV memory.
+
+    python bench/scheduler.py --threads 1 [--quick] [--repeats 3] [--json FILE]
+
+Part 1, the built-in task: the warm-started built-in model, pointer-walk prompts of the default config,
+temperature 1, EOS on (responses end at 18-84 tokens, as RL responses vary), 8 prompts x 8 samples:
+- `static`: every row stays in the batch until the longest ends (`release_finished_rows=False`, the
+  engine's shape before rows could leave);
+- `dense`: rows leave the batch as they end;
+- per decode step at equal batch (EOS off, 84 tokens each): R-KV at the stress budget B = 56 against dense;
+- equal KV memory: the budget the 64 dense rows reach (`RolloutEngine.row_bytes` x 64); 16 prompts x 8
+  requests; dense runs them in waves of what fits (64), R-KV at B = 56 fits more.
+Part 2, long responses (random built-in architecture with 8192 positions, 64-token prompts, EOS off,
+L = 4096): dense against R-KV at B = L/4 (window 8, interval L/32) at the KV memory 8 dense rows reach,
+32 requests. Skipped by --quick.
+
+Every row reports rows in flight (S), waves, peak KV measured from the buffers (never above the budget),
+the tokens generated, seconds (median of --repeats interleaved runs after one warm-up) and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import compression_interval, contention_probe
+
+from sparserl.config.schema import load_config
+from sparserl.model.loading import builtin_model_config, load_policy
+from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.scheduler import request_seed, rows_in_flight, schedule_rollouts
+from sparserl.tasks.registry import max_new_tokens, task_from_config
+
+STRESS_BUDGET = 56
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
+    p.add_argument("--quick", action="store_true", help="part 1 only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _run(engine: RolloutEngine, prompts, sampling: SamplingConfig, seed: int) -> dict:
+    started = time.perf_counter()
+    batch = schedule_rollouts(engine, prompts, sampling, [request_seed(seed, i) for i in range(len(prompts))])
+    seconds = time.perf_counter() - started
+    tokens = int(batch.response_lengths.sum())
+    return {"seconds": seconds, "tokens": tokens, "rows_in_flight": batch.kv.rows_in_flight,
+            "waves": -(-len(prompts) // batch.kv.rows_in_flight), "kv_peak_mib": batch.kv.kv_peak_bytes / 2**20,
+            "lengths": (int(batch.response_lengths.min()), int(batch.response_lengths.max()))}
+
+
+def measure(configs: dict[str, tuple], repeats: int, seed: int) -> dict[str, dict]:
+    """Each config once untimed, then `repeats` rounds of all of them, interleaved; median seconds."""
+    for engine, prompts, sampling in configs.values():
+        _run(engine, prompts, sampling, seed)
+    runs = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, (engine, prompts, sampling) in configs.items():
+            runs[name].append(_run(engine, prompts, sampling, seed))
+    results = {}
+    for name, done in runs.items():
+        seconds = statistics.median(r["seconds"] for r in done)
+        results[name] = {**done[0], "seconds": seconds, "spread": (min(r["seconds"] for r in done),
+                                                                   max(r["seconds"] for r in done)),
+                         "tokens_per_s": done[0]["tokens"] / seconds}
+    return results
+
+
+def builtin_task(seed: int):
+    config = load_config()
+    model, tokenizer = load_policy(None)
+    task = task_from_config(config.task)
+    steps = max_new_tokens(config.task, task)
+    prompts = [tokenizer(e.prompt).input_ids for e in task.examples(16, seed=seed) for _ in range(8)]
+    stress = KVCompression("rkv", budget=STRESS_BUDGET, window=config.rollout.kv_window,
+                           interval=config.rollout.kv_interval)
+    return model.eval(), tokenizer, prompts, steps, stress
+
+
+def part_one(args) -> dict[str, dict]:
+    model, tokenizer, prompts, steps, stress = builtin_task(args.seed)
+    width = max(len(p) for p in prompts)
+    eos = SamplingConfig(steps, 1.0, tokenizer.eos_token_id, tokenizer.pad_token_id, prompt_width=width)
+    no_eos = SamplingConfig(steps, 1.0, None, tokenizer.pad_token_id, prompt_width=width)
+    dense, sparse = RolloutEngine(model, record_evictions=False), RolloutEngine(model, stress, record_evictions=False)
+    static = RolloutEngine(model, record_evictions=False, release_finished_rows=False)
+    budget = 64 * dense.row_bytes(width, steps)  # what the 8 x 8 dense rows reach
+    limited = SamplingConfig(**{**eos.__dict__, "kv_memory_bytes": budget})
+    first = prompts[:64]
+    results = measure({
+        "static, 8x8": (static, first, eos),
+        "dense, 8x8": (dense, first, eos),
+        "dense, 8x8, EOS off": (dense, first, no_eos),
+        "rkv B=56, 8x8, EOS off": (sparse, first, no_eos),
+        "dense, 16x8, equal KV": (dense, prompts, limited),
+        "rkv B=56, 16x8, equal KV": (sparse, prompts, limited),
+    }, args.repeats, args.seed)
+    for name in results:
+        results[name]["kv_budget_mib"] = budget / 2**20 if "equal KV" in name else None
+    return results
+
+
+def part_two(args) -> dict[str, dict]:
+    length, prompt = 4096, 64
+    torch.manual_seed(args.seed)
+    model = type(load_policy(None)[0])(builtin_model_config(97, max_position_embeddings=8192)).eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, 97, (prompt,), generator=generator).tolist() for _ in range(32)]
+    sampling = SamplingConfig(length - prompt, 1.0, None, 0, prompt_width=prompt)
+    dense = RolloutEngine(model, record_evictions=False)
+    sparse = RolloutEngine(model, KVCompression("rkv", budget=length // 4, window=8,
+                                                interval=compression_interval(length)), record_evictions=False)
+    budget = 8 * dense.row_bytes(prompt, length - prompt)
+    limited = SamplingConfig(**{**sampling.__dict__, "kv_memory_bytes": budget})
+    results = measure({"dense, L=4096, equal KV": (dense, prompts, limited),
+                       "rkv B=L/4, L=4096, equal KV": (sparse, prompts, limited)}, 1, args.seed)
+    for name in results:
+        results[name]["kv_budget_mib"] = budget / 2**20
+    assert rows_in_flight(sparse, limited, prompt, len(prompts)) > 8
+    return results
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = ["| configuration | S | waves | KV budget MiB | peak KV MiB | lengths | tokens | s (min-max) | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        budget = f"{r['kv_budget_mib']:.2f}" if r["kv_budget_mib"] else "-"
+        lines.append(f"| {name} | {r['rows_in_flight']} | {r['waves']} | {budget} | {r['kv_peak_mib']:.2f} | "
+                     f"{r['lengths'][0]}-{r['lengths'][1]} | {r['tokens']} | {r['seconds']:.2f} "
+                     f"({r['spread'][0]:.2f}-{r['spread'][1]:.2f}) | {r['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def ratios(results: dict[str, dict]) -> list[str]:
+    def per_token(name):
+        return results[name]["seconds"] / results[name]["tokens"]
+
+    out = [f"rows leaving vs static batch (8x8, EOS on): {results['static, 8x8']['seconds'] / results['dense, 8x8']['seconds']:.2f}x faster",
+           f"sparse / dense per decode step at equal batch (EOS off): {per_token('rkv B=56, 8x8, EOS off') / per_token('dense, 8x8, EOS off'):.2f}x",
+           f"equal KV memory, built-in task, rkv / dense tokens/s: "
+           f"{results['rkv B=56, 16x8, equal KV']['tokens_per_s'] / results['dense, 16x8, equal KV']['tokens_per_s']:.2f}x"]
+    if "rkv B=L/4, L=4096, equal KV" in results:
+        out.append(f"equal KV memory, L=4096, rkv / dense tokens/s: "
+                   f"{results['rkv B=L/4, L=4096, equal KV']['tokens_per_s'] / results['dense, L=4096, equal KV']['tokens_per_s']:.2f}x")
+    for name, r in results.items():
+        if r["kv_budget_mib"] and r["kv_peak_mib"] > r["kv_budget_mib"]:
+            out.append(f"BUDGET EXCEEDED: {name}")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"threads {args.threads}, contention probe {contention_probe(args.threads):.3f} ms")
+    results = part_one(args)
+    if not args.quick:
+        results.update(part_two(args))
+    print(f"contention probe at end {contention_probe(args.threads):.3f} ms\n")
+    print(table(results))
+    print()
+    print("\n".join(ratios(results)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

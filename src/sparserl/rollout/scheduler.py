@@ -1,0 +1,153 @@
+"""The rollout scheduler: a batch of requests runs through the engine at most S rows at a time.
+
+S, the rows in flight, comes from a KV memory budget (`--rollout-kv-memory`): each row reserves the
+bytes its cache can reach (`RolloutEngine.row_bytes`): the whole sequence for a dense row, the
+compressed capacity (max(prompt, budget) + one interval, the schedule's largest budget when there
+is a schedule) for a sparse one, the whole cache for block-sparse attention. A compressed sampler
+therefore runs proportionally more rows in the same bytes. `--max-concurrent-rows` caps S directly.
+
+The requests are taken S at a time (a wave); inside a wave a row that ends leaves the batch, so it
+stops costing compute, and the next wave starts when the wave's last row ends. Slots are not
+refilled mid-wave (what a continuous-batching server such as vLLM adds on top).
+
+Every row samples from its own seed, and every wave pads its prompts to the same width, so a row's
+tokens do not depend on S, on which rows share its wave, or on how a step is sharded: what changes
+with S is float rounding in batched matrix products (nothing in float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from ..config.sizes import parse_memory
+from ..errors import ConfigError
+from .block_sparse import BlockSelections
+from .engine import RolloutBatch, RolloutEngine, SamplingConfig
+from .kv_cache import EvictionEvent, KVStats
+
+AUTO_MEMORY_SHARE = 0.9  # of the memory free after the weights, as vLLM's gpu_memory_utilization
+def request_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a batch seeded `seed` (a step's, an evaluation's): an
+    independent stream per (seed, row)."""
+    return int(np.random.SeedSequence([seed, row]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on `device` now (after the weights are loaded): the GPU's, or the host's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def resolve_kv_memory(setting: str | None, device: torch.device) -> int | None:
+    """The KV budget in bytes for the --rollout-kv-memory `setting` (None: no budget)."""
+    if setting is None:
+        return None
+    size = parse_memory(setting)
+    return int(AUTO_MEMORY_SHARE * free_memory_bytes(device)) if size == "auto" else size
+
+
+def rows_in_flight(engine: RolloutEngine, sampling: SamplingConfig, width: int, requests: int) -> int:
+    """S for `requests` rows: the KV budget's rows, capped by `sampling.max_rows` and by the requests."""
+    rows = requests
+    if sampling.max_rows:
+        rows = min(rows, sampling.max_rows)
+    if sampling.kv_memory_bytes is not None:
+        each = engine.row_bytes(width, sampling.max_new_tokens)
+        fits = sampling.kv_memory_bytes // each
+        if fits < 1:
+            raise ConfigError(f"rollout_kv_memory {sampling.kv_memory_bytes / 2**20:.2f} MiB holds no row: one "
+                              f"row of this cache needs {each / 2**20:.2f} MiB ({width}-token prompts, "
+                              f"{sampling.max_new_tokens} new tokens); give at least that")
+        rows = min(rows, fits)
+    return rows
+
+
+def schedule_rollouts(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig,
+                      seeds: list[int], on_step=None) -> RolloutBatch:
+    """Sample one response per prompt (row i from `seeds[i]`), at most S rows at a time (see the module)."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    width = max(sampling.prompt_width or 0, max(len(p) for p in prompts))
+    sampling = dataclasses.replace(sampling, prompt_width=width)
+    rows = rows_in_flight(engine, sampling, width, len(prompts))
+    waves = [engine.generate(prompts[start:start + rows], sampling, seeds=seeds[start:start + rows], on_step=on_step)
+             for start in range(0, len(prompts), rows)]
+    merged = merge_waves(waves, sampling.pad_token_id)
+    merged.kv.rows_in_flight = rows
+    return merged
+
+
+def merge_waves(waves: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """One batch of the waves' rows, in order. The waves share their prompt width and compression
+    clock, so their eviction records line up event by event; a wave that had ended before an event
+    holds column 0 there (its later queries are padding). Peak memory is the largest wave's: they
+    run one after the other."""
+    if len(waves) == 1:
+        return waves[0]
+    span = max(w.response_ids.shape[1] for w in waves)
+
+    def right_pad(tensors: list[torch.Tensor], value) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(t, (0, span - t.shape[1]), value=value) if t.dim() == 2 else
+                          torch.nn.functional.pad(t, (0, 0, 0, span - t.shape[1]), value=value) for t in tensors])
+
+    distributions = [w.sampler_distribution for w in waves]
+    return RolloutBatch(
+        prompt_ids=torch.cat([w.prompt_ids for w in waves]),
+        prompt_mask=torch.cat([w.prompt_mask for w in waves]),
+        response_ids=right_pad([w.response_ids for w in waves], pad_token_id),
+        response_mask=right_pad([w.response_mask for w in waves], 0.0),
+        sampler_logprobs=right_pad([w.sampler_logprobs for w in waves], 0.0),
+        prompt_lengths=torch.cat([w.prompt_lengths for w in waves]),
+        response_lengths=torch.cat([w.response_lengths for w in waves]),
+        ended=torch.cat([w.ended for w in waves]),
+        rollout_seconds=sum(w.rollout_seconds for w in waves),
+        kv=_merge_wave_stats([w.kv for w in waves], [len(w) for w in waves]),
+        evictions=_merge_evictions(waves),
+        sampler_distribution=right_pad(distributions, 0.0) if all(d is not None for d in distributions) else None,
+        replayable=all(w.replayable for w in waves),
+        block_selections=_merge_blocks([w.block_selections for w in waves]),
+    )
+
+
+def _merge_evictions(waves: list[RolloutBatch]) -> list[EvictionEvent]:
+    by_event: dict[tuple[int, int], dict[int, torch.Tensor]] = defaultdict(dict)
+    for index, wave in enumerate(waves):
+        for event in wave.evictions:
+            by_event[(event.first_column, event.layer)][index] = event.kept_columns
+    merged = []
+    for (column, layer), kept in sorted(by_event.items()):
+        some = next(iter(kept.values()))
+        parts = [kept.get(i, some.new_zeros(len(w), *some.shape[1:])) for i, w in enumerate(waves)]
+        merged.append(EvictionEvent(column, layer, torch.cat(parts)))
+    return merged
+
+
+def _merge_blocks(records: list[BlockSelections | None]) -> BlockSelections | None:
+    if any(r is None for r in records):
+        return None
+    first = records[0]
+    return BlockSelections(first.page_size, first.first_column,
+                           {layer: torch.cat([r.pages[layer] for r in records]) for layer in first.pages})
+
+
+def _merge_wave_stats(stats: list[KVStats], rows: list[int]) -> KVStats:
+    total = max(sum(rows), 1)
+    return KVStats(
+        kv_peak_bytes=max(s.kv_peak_bytes for s in stats),
+        kv_dense_bytes=max(s.kv_dense_bytes for s in stats),
+        kv_peak_bytes_by_layer_type={k: max(s.kv_peak_bytes_by_layer_type.get(k, 0) for s in stats)
+                                     for k in stats[0].kv_peak_bytes_by_layer_type},
+        compressions=sum(s.compressions for s in stats),
+        compress_seconds=sum(s.compress_seconds for s in stats),
+        kept_tokens=torch.cat([s.kept_tokens for s in stats]),
+        evicted_tokens=torch.cat([s.evicted_tokens for s in stats]),
+        attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
+        waves=sum(s.waves for s in stats),
+    )

@@ -1,0 +1,126 @@
+"""The rollout scheduler: rows in flight from a KV memory budget, finished rows leaving the batch, and
+sampling that does not depend on which rows run together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model, replay_logprobs
+
+from sparserl.config.sizes import parse_memory
+from sparserl.errors import ConfigError
+from sparserl.rollout.block_sparse import BlockSparsity
+from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.kv_policies import POLICIES
+from sparserl.rollout.scheduler import rows_in_flight, schedule_rollouts
+from sparserl.tasks.pointer_walk import PointerWalkTask
+
+SPARSITIES = {"dense": None, **{name: KVCompression(name, budget=10, window=3, interval=3) for name in POLICIES},
+              "block": BlockSparsity(budget=16, page_size=4, dense_layers=1)}
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    """The tiny model in float64 (batch composition then changes nothing beyond 1e-12), biased towards
+    EOS so that its rows end at many different lengths (3 to 30 tokens)."""
+    model, tokenizer = make_tiny_model(seed=5)
+    model = model.double()
+    bias = torch.zeros(model.lm_head.out_features, dtype=torch.float64)
+    bias[tokenizer.eos_token_id] = 2.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    return model, tokenizer
+
+
+def _prompts(tokenizer, count=14):
+    prompts = [tokenizer(e.prompt).input_ids for e in PointerWalkTask(8, min_letters=5).examples(count, seed=2)]
+    prompts[3] = prompts[3][:7]  # ragged, so left padding differs from row to row
+    return prompts
+
+
+def _eos_often(tokenizer) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=30, temperature=1.0, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("rows", [1, 7, None])
+@pytest.mark.parametrize("sparsity", sorted(SPARSITIES))
+def test_rows_in_flight_change_no_sampled_token_in_float64(tiny64, sparsity, rows):
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, SPARSITIES[sparsity], record_evictions=True)
+    prompts = _prompts(tokenizer)
+    seeds = list(range(100, 100 + len(prompts)))
+    sampling = _eos_often(tokenizer)
+    whole = schedule_rollouts(engine, prompts, sampling, seeds)
+    waves = schedule_rollouts(engine, prompts, SamplingConfig(**{**sampling.__dict__, "max_rows": rows or 0}), seeds)
+    assert 3 <= int(whole.ended.sum()) < len(prompts)  # rows end at different lengths: some leave early
+    assert torch.equal(waves.response_ids, whole.response_ids)
+    assert torch.equal(waves.response_lengths, whole.response_lengths)
+    assert (waves.sampler_logprobs - whole.sampler_logprobs).abs().max() <= 1e-6
+    assert waves.kv.rows_in_flight == (rows or len(prompts))
+    # The records belong to the requests: the merged waves replay exactly.
+    mask = waves.response_mask.bool()
+    assert (replay_logprobs(model, waves).detach() - waves.sampler_logprobs).abs()[mask].max() <= 1e-6
+
+
+def test_a_row_alone_samples_what_it_samples_in_a_batch(tiny64):
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, SPARSITIES["rkv"])
+    prompts, sampling = _prompts(tokenizer), _eos_often(tokenizer)
+    sampling = SamplingConfig(**{**sampling.__dict__, "prompt_width": max(map(len, prompts))})
+    batch = schedule_rollouts(engine, prompts, sampling, list(range(len(prompts))))
+    alone = schedule_rollouts(engine, prompts[5:6], sampling, [5])
+    length = int(alone.response_lengths[0])
+    assert length == int(batch.response_lengths[5])
+    assert torch.equal(alone.response_ids[0, :length], batch.response_ids[5, :length])
+
+
+def test_finished_rows_leave_the_batch(tiny64):
+    model, tokenizer = tiny64
+    sizes = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                             with_kwargs=True)
+    try:
+        batch = RolloutEngine(model).generate(_prompts(tokenizer), _eos_often(tokenizer), seeds=list(range(14)))
+    finally:
+        handle.remove()
+    decode = sizes[1:]
+    assert decode == sorted(decode, reverse=True) and decode[-1] <= 14 // 2
+    # Every decode step still holds each row that had not ended before it.
+    for step, size in enumerate(decode, start=1):
+        assert size >= int((batch.response_lengths > step).sum())
+
+
+def test_the_measured_peak_stays_within_the_kv_budget_and_sparse_rows_fit_more(tiny64):
+    model, tokenizer = tiny64
+    prompts, sampling = _prompts(tokenizer), _eos_often(tokenizer)
+    width = max(map(len, prompts))
+    dense, sparse = RolloutEngine(model), RolloutEngine(model, SPARSITIES["rkv"])
+    budget = 3 * dense.row_bytes(width, sampling.max_new_tokens) + 1
+    limited = SamplingConfig(**{**sampling.__dict__, "kv_memory_bytes": budget})
+    assert rows_in_flight(dense, limited, width, len(prompts)) == 3
+    assert rows_in_flight(sparse, limited, width, len(prompts)) > 3
+    for engine in (dense, sparse):
+        batch = schedule_rollouts(engine, prompts, limited, list(range(len(prompts))))
+        assert batch.kv.kv_peak_bytes <= budget
+        assert batch.kv.rows_in_flight == rows_in_flight(engine, limited, width, len(prompts))
+    # One row's reservation, by hand: two layers, K and V, 2 KV heads of 16 dims, 8 bytes, every slot.
+    assert dense.row_bytes(width, 30) == 2 * 2 * 2 * 16 * 8 * (width + 30)
+
+
+def test_a_budget_too_small_for_one_row_says_the_size_it_needs(tiny64):
+    model, tokenizer = tiny64
+    sampling = SamplingConfig(**{**_eos_often(tokenizer).__dict__, "kv_memory_bytes": 1000})
+    with pytest.raises(ConfigError, match=r"holds no row: one row of this cache needs 0\.\d+ MiB"):
+        schedule_rollouts(RolloutEngine(model), _prompts(tokenizer), sampling, list(range(14)))
+
+
+@pytest.mark.parametrize("text, size", [("64MiB", 64 * 2**20), ("20GiB", 20 * 2**30), ("1.5g", int(1.5 * 2**30)),
+                                        ("4096", 4096), ("512 kb", 512 * 1024), ("AUTO", "auto")])
+def test_sizes_are_read_as_written(text, size):
+    assert parse_memory(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "12 parsecs", "0MiB", "-3GiB"])
+def test_a_bad_size_is_refused(text):
+    with pytest.raises(ConfigError, match="rollout_kv_memory"):
+        parse_memory(text)
