@@ -104,3 +104,26 @@ def test_rates_are_probed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     assert len(json.loads(path.read_text())) == 1
     CostModel.probe(model, 8, cache=path)  # another batch is another entry
     assert len(calls) == 2 and len(json.loads(path.read_text())) == 2
+
+
+def test_scheduled_waves_by_hand():
+    """Two waves of two rows, dense, responses of 3, 2, 4 and 1 tokens, prompt 10; rates probed at 1 row.
+    Wave 1 (3, 2): forward 0 holds both rows at cache 11, forward 1 the first at 12. Wave 2 (4, 1):
+    forwards 0-2 hold the first row at caches 11, 12, 13; the 1-token row never feeds a token."""
+    model = CostModel(RATES, SHAPES, probe_rows=1)
+    step = model.step_seconds
+    expected = step(2, 11) + step(1, 12) + step(1, 11) + step(1, 12) + step(1, 13)
+    predicted = model.predict_scheduled([3, 2, 4, 1], prompt=10, rows_in_flight=2)
+    assert predicted["decode_s"] == pytest.approx(expected) and predicted["waves"] == 2
+    # Two rows' attention costs twice one row's: 0.01 s per cached token and row.
+    assert step(2, 11) - step(1, 11) == pytest.approx(2 * (100 + 40) / 1e3 + 0.01 * 11)
+    with pytest.raises(ValueError, match="probe_rows"):
+        CostModel(RATES, SHAPES).predict_scheduled([3], 10, 1)
+
+
+def test_a_row_reserves_what_the_engine_reserves():
+    model, _ = make_tiny_model()
+    shapes = Shapes.of(model)
+    compression = KVCompression("rkv", budget=24, window=4, interval=6)
+    for comp in (None, compression):
+        assert shapes.row_bytes(20, 90, comp) == RolloutEngine(model, comp).row_bytes(20, 90)

@@ -21,7 +21,8 @@ def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: fl
               "xi_mean": 1.0, "xi_min": 0.01 * step, "xi_q01": 0.5, "kl_sampler_old": 0.02 * step,
               "rejected_seq_frac": vetoed / 8, "rejected_token_frac": vetoed / 16, "flagged_veto_frac": veto_flagged,
               "flagged_band_frac": 0.1, "ess": 0.9, "walk_exact": reward, "skipped": 0, "skipped_steps": 0,
-              "flagged_veto_frac_len_0_16": 0.0, "flagged_veto_frac_len_16_inf": veto_flagged * 2}
+              "flagged_veto_frac_len_0_16": 0.0, "flagged_veto_frac_len_16_inf": veto_flagged * 2,
+              "rows_in_flight": 16 + 16 * step, "step_s": 1.0 + step}
     record.update(extra)
     return record
 
@@ -86,10 +87,12 @@ def test_report_table_regime_and_verdicts(tmp_path):
     assert rows["sparse-rl"][0] == "80.0% (80.0–80.0)"
     assert rows["sparse-rl"][2] == "79.0% (79.0–79.0)"  # exact walks from final_eval
     assert rows["sparse-rl"][4] == "45.0% (40.0–50.0)"
-    assert rows["sparse-rl"][6] == "4.5 (4.0–5.0)"
-    assert rows["sparse-rl"][8] == "12.5% (12.5–12.5) / 25.0% (25.0–25.0)"  # 2 of 8 sequences, 1/16 tokens each
-    assert rows["naive-sparse"][8] == "—"  # rejects nothing: no number to show
-    assert rows["sparse-rs (not run)"] == ["—"] * 10
+    assert rows["sparse-rl"][6] == "48 (48–48)"  # the most rows in flight: step 2's 16 + 32
+    assert rows["sparse-rl"][7] == "4.5 (4.0–5.0)"
+    assert rows["sparse-rl"][8] == "2.50 (2.50–2.50)"  # mean step time, (2 + 3) / 2 s
+    assert rows["sparse-rl"][10] == "12.5% (12.5–12.5) / 25.0% (25.0–25.0)"  # 2 of 8 sequences, 1/16 tokens each
+    assert rows["naive-sparse"][10] == "—"  # rejects nothing: no number to show
+    assert rows["sparse-rs (not run)"] == ["—"] * 12
     verdicts = text.split("## Verdicts")[1]
     # naive-sparse: 0.5 -> 0.2 collapsed, 0.5 -> 0.3 degraded: the seeds disagree.
     assert "naive-sparse, final vs step-0 accuracy (dense inference): **mixed** (seed 0: collapsed" in verdicts
@@ -253,7 +256,7 @@ def test_an_unreadable_final_eval_is_said_and_the_run_reported_as_incomplete(tmp
     row = _rows(table)["sparse-rl (1 incomplete)"]
     # Seed 1 falls back to its step-2 evaluation (0.8) and logs no exact walks, so that cell is seed 0's
     # final_eval alone (0.79); its rollout time is the sum of its steps' rollout_s, 2 + 2 = 4 s.
-    assert row[0] == "80.0% (80.0–80.0)" and row[2] == "79.0%" and row[6] == "4.0 (4.0–4.0)"
+    assert row[0] == "80.0% (80.0–80.0)" and row[2] == "79.0%" and row[7] == "4.0 (4.0–4.0)"
 
 
 def test_a_directory_without_compare_json_is_refused(tmp_path):

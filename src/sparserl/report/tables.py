@@ -41,8 +41,8 @@ TARGET_ACC_FRAC = 97.0  # paper: Sparse-RL keeps ~97% of dense accuracy ...
 MIN_EVAL_EXAMPLES = 100  # below this many held-out examples (or MIN_STEPS steps) verdicts carry a caveat
 MIN_STEPS = 20
 TABLE_HEADER = ("Mode", "Held-out acc (dense inf.)", "Held-out acc (sparse inf.)", "Exact walks (dense inf.)",
-                "Acc at step 0 (dense / sparse)", "KV saved", "Peak KV MiB (sparse / dense)", "Rollout s",
-                "Final train reward", "Rejected tokens / seq. (applied)", "Skipped steps")
+                "Acc at step 0 (dense / sparse)", "KV saved", "Peak KV MiB (sparse / dense)", "Rows in flight",
+                "Rollout s", "Step s (mean)", "Final train reward", "Rejected tokens / seq. (applied)", "Skipped steps")
 MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean"), ("flagged_veto_frac", "mean"),
                  ("flagged_band_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"),
                  ("walk_exact", "mean"))
@@ -115,6 +115,9 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     s["kv_dense"] = max(denses) / MIB if denses else None
     s["rollout_total"] = final["rollout_total"] if final.get("rollout_total") is not None else \
         (sum(series(steps, "rollout_s")[1]) if steps else None)
+    in_flight = series(steps, "rows_in_flight")[1]
+    s["rows_in_flight"] = max(in_flight) if in_flight else None
+    s["step_mean"] = _mean(series(steps, "step_s")[1])
     rewards = series(steps, "reward_mean")[1]
     s["final_reward"] = _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):])  # the last 10% of steps
     s["rejected_tokens"] = _mean(series(steps, "rejected_token_frac")[1])
@@ -182,7 +185,8 @@ def _row(mode: str, seeds: list[dict]) -> list[str]:
     rejects = any(v for v in col("rejected_tokens"))
     return [label, cell(col("acc_dense")), cell(col("acc_sparse")), cell(col("exact_dense")),
             f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}", cell(col("kv_saved")), peak,
-            cell(col("rollout_total"), ".1f"), cell(col("final_reward"), ".3f"),
+            cell(col("rows_in_flight"), "int"), cell(col("rollout_total"), ".1f"), cell(col("step_mean"), ".2f"),
+            cell(col("final_reward"), ".3f"),
             f"{cell(col('rejected_tokens'))} / {cell(col('rejected_seqs'))}" if rejects else DASH,
             cell(col("skipped"), "int")]
 

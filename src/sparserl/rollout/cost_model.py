@@ -26,6 +26,10 @@ cut to B every Δ steps, so it runs B+1..B+Δ between cuts; a schedule reads B f
 The predicted speedup with free compression (compression time 0) is the most a budget can give
 on this machine: dense time / sparse decode time.
 
+The scheduler's rollouts (`predict_scheduled`): a step's requests run S at a time (S from the KV
+memory a row reserves, `Shapes.row_bytes`), in waves that each last as long as their longest response;
+a step then holds only the rows still decoding, so the weights' FLOPs and attention scale with them.
+
 `CostModel.probe` measures the rates for a model and batch in seconds (a matmul, a streaming read,
 short dense rollouts at two cache lengths, a never-full sparse rollout, steady-state compressions
 at two budgets) and caches them in a JSON file (default ~/.cache/sparserl/cost_rates.json), keyed
@@ -85,6 +89,18 @@ class Shapes:
     def weight_bytes(self) -> float:
         return (self.body_params + self.hidden * self.vocab) * self.width
 
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer (no sliding-window layers)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.width
+
+    def row_bytes(self, prompt: int, new_tokens: int, compression: KVCompression | None = None) -> int:
+        """What one row's cache can reach, as the engine reserves it (`RolloutEngine.row_bytes`): the whole
+        sequence when dense, max(prompt, the largest budget) + one interval when compressed."""
+        slots = prompt + new_tokens
+        if compression is not None:
+            slots = min(max(prompt, compression.budgets.max_budget) + compression.interval, slots)
+        return slots * self.kv_bytes_per_token()
+
     @staticmethod
     def compress_units(rows: int, held: int, budget: int, appended: int, policy: str) -> float:
         """Work of one compression of one layer, in elements (see the module docstring)."""
@@ -111,8 +127,10 @@ def cache_lengths(prompt: int, new_tokens: int, schedule: BudgetSchedule | None,
 
 
 class CostModel:
-    def __init__(self, rates: Rates, shapes: Shapes):
-        self.rates, self.shapes = rates, shapes
+    def __init__(self, rates: Rates, shapes: Shapes, probe_rows: int | None = None):
+        """`probe_rows`: the batch the rates were measured at; with it, attention's cost scales with
+        the rows a step holds (`predict_scheduled`); without, every step is taken to hold that batch."""
+        self.rates, self.shapes, self.probe_rows = rates, shapes, probe_rows
 
     @classmethod
     def probe(cls, model, rows: int, policy: str = "rkv", long_cache: int = 1024,
@@ -123,25 +141,27 @@ class CostModel:
         key = _cache_key(shapes, rows, policy, long_cache)
         stored = json.loads(Path(cache).read_text()) if cache is not None and Path(cache).exists() else {}
         if key in stored and not reprobe:
-            return cls(Rates(**stored[key]), shapes)
+            return cls(Rates(**stored[key]), shapes, rows)
         rates = probe(model, rows, policy, long_cache)
         if cache is not None:
             stored[key] = asdict(rates)
             Path(cache).parent.mkdir(parents=True, exist_ok=True)
             Path(cache).write_text(json.dumps(stored, indent=2))
-        return cls(rates, shapes)
+        return cls(rates, shapes, rows)
 
     @classmethod
     def load(cls, model, rows: int, policy: str = "rkv", long_cache: int = 1024,
              cache: Path = DEFAULT_CACHE) -> CostModel:
         """The cached rates only; KeyError when this model and batch were never probed."""
         shapes = Shapes.of(model)
-        return cls(Rates(**json.loads(Path(cache).read_text())[_cache_key(shapes, rows, policy, long_cache)]), shapes)
+        return cls(Rates(**json.loads(Path(cache).read_text())[_cache_key(shapes, rows, policy, long_cache)]), shapes,
+                   rows)
 
     def step_seconds(self, rows: int, cached: float, sparse: bool = False) -> float:
         r, s = self.rates, self.shapes
+        rows_share = rows / self.probe_rows if self.probe_rows else 1.0
         return (r.overhead_s + s.weight_flops(rows) / r.flop_rate + s.weight_bytes() / r.bandwidth
-                + r.cached_token_s * cached + (r.sparse_overhead_s if sparse else 0.0))
+                + r.cached_token_s * cached * rows_share + (r.sparse_overhead_s if sparse else 0.0))
 
     def compression_seconds(self, rows: int, held: int, budget: int, appended: int, policy: str) -> float:
         r = self.rates
@@ -159,6 +179,29 @@ class CostModel:
         compress = sum(self.compression_seconds(rows, *c, compression.policy) for c in compressions)
         return {"decode_s": decode, "compress_s": compress, "total_s": decode + compress,
                 "compressions": len(compressions), "mean_cached": sum(lengths) / max(len(lengths), 1)}
+
+    def predict_scheduled(self, response_lengths: list[int], prompt: int, rows_in_flight: int,
+                          compression: KVCompression | None = None) -> dict[str, float]:
+        """Predicted seconds of a step's requests (their response lengths, in queue order) run by the
+        rollout scheduler: waves of `rows_in_flight`, each decoding until its longest response ends, a
+        row costing only while it lives (it leaves the batch when it ends). Needs `probe_rows`."""
+        if not self.probe_rows:
+            raise ValueError("predict_scheduled needs the batch the rates were probed at (probe_rows)")
+        schedule = compression.budgets if compression else None
+        interval = compression.interval if compression else 1
+        decode = compress = 0.0
+        waves = [response_lengths[i:i + rows_in_flight] for i in range(0, len(response_lengths), rows_in_flight)]
+        for wave in waves:
+            lengths, compressions = cache_lengths(prompt, max(wave), schedule, interval)
+            # Forward i feeds response token i: the rows whose response is longer than i + 1 tokens.
+            live = [sum(length > i + 1 for length in wave) for i in range(len(lengths))]
+            decode += sum(self.step_seconds(rows, cached, compression is not None)
+                          for rows, cached in zip(live, lengths) if rows)
+            cuts = [i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]]
+            compress += sum(self.compression_seconds(live[i], *cut, compression.policy)
+                            for i, cut in zip(cuts, compressions) if live[i])
+        return {"decode_s": decode, "compress_s": compress, "total_s": decode + compress,
+                "rows_in_flight": rows_in_flight, "waves": len(waves)}
 
     def predicted_speedup(self, rows: int, prompt: int, new_tokens: int, compression: KVCompression,
                           free_compression: bool = False) -> float:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.loading import sampling_generator
 from .attention import masked_attention
 from .block_sparse import BlockSelections, BlockSelector, BlockSparsity
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
@@ -267,9 +266,9 @@ class RolloutEngine:
         selector = BlockSelector(block, cache, steps, width, self.record_evictions) if block else None
         provider = _RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
                                      keep_mass=bool(comp and self.policy.needs_attention_mass), selector=selector)
-        generators = [sampling_generator(model, seed) for seed in seeds] if seeds is not None else None
-        if generators is not None and len(generators) != batch:
-            raise ValueError(f"{len(generators)} seeds for {batch} prompts")
+        row_seeds = torch.tensor(seeds, dtype=torch.long, device=device) if seeds is not None else None
+        if row_seeds is not None and len(row_seeds) != batch:
+            raise ValueError(f"{len(row_seeds)} seeds for {batch} prompts")
         prompt_lengths = prompt_mask.sum(dim=1)
         response_ids = torch.full((batch, steps), sampling.pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
@@ -294,7 +293,8 @@ class RolloutEngine:
             logits = model(input_ids=prompt_ids, position_ids=positions, **{cache_keyword: cache},
                            use_cache=True, logits_to_keep=1).logits[:, -1]
             for step in range(steps):
-                token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator, generators)
+                draws = row_uniforms(row_seeds[rows], step) if row_seeds is not None else None
+                token, token_logprob, step_logp = _sample(logits, sampling.temperature, generator, draws)
                 if self.record_distributions and step_logp.shape[-1] <= FULL_DISTRIBUTION_VOCAB:
                     distributions.append(step_logp.new_zeros(batch, step_logp.shape[-1]).index_copy_(0, rows,
                                                                                                    step_logp))
@@ -320,7 +320,6 @@ class RolloutEngine:
                         held[rows] = _held_tokens(cache, fed_tokens[rows])
                         rows, token, fed_real = rows[staying], token[staying], fed_real[staying]
                         self._drop_finished(cache, provider, staying)
-                        generators = [generators[i] for i in staying.tolist()] if generators is not None else None
                 if comp and since_compression >= comp.interval:
                     # The schedule reads the cached length of the longest prompt's row (padded columns),
                     # the most any row of the batch has fed.
@@ -425,22 +424,46 @@ class RolloutEngine:
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
-            row_generators: list[torch.Generator] | None = None):
-    """Token `[N]`, its log-prob `[N]` and the whole log-distribution `[N, V]` it was drawn from; each
-    row draws from its own generator when `row_generators` is given, else all from `generator`."""
+            draws: torch.Tensor | None = None):
+    """Token `[N]`, its log-prob `[N]` and the whole log-distribution `[N, V]` it was drawn from.
+    `draws`: one uniform per row `[N]` (float64), inverted through the row's CDF; else `generator`."""
     logits = logits.float()
     if temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
         token = logp.argmax(dim=-1)
     else:
         logp = torch.log_softmax(logits / temperature, dim=-1)
-        probs = logp.exp()
-        if row_generators is not None:
-            token = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)
-                               for i, g in enumerate(row_generators)]).squeeze(1)
+        if draws is not None:
+            cdf = logp.double().exp().cumsum(dim=-1)
+            # right=True: the first token whose CDF passes the draw, so tokens of probability 0 are never drawn.
+            token = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
+            token = token.clamp_(max=logp.shape[-1] - 1)
         else:
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
     return token, logp.gather(1, token[:, None]).squeeze(1), logp
+
+
+# splitmix64's constants as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _logical_shift(x, 30)) * _MIX1
+    x = (x ^ _logical_shift(x, 27)) * _MIX2
+    return x ^ _logical_shift(x, 31)
+
+
+def row_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row `[N]` float64, a pure function of (row seed, decode step): counter
+    based (splitmix64 of the pair, on int64 with wrap-around), so a row's draw depends on nothing else,
+    neither the rows beside it nor the device."""
+    mixed = _splitmix64(_splitmix64(seeds) + step)
+    return (_logical_shift(mixed, 11).double() + 0.5) / float(1 << 53)
 
 
 def _held_tokens(cache: BufferCache, fed_tokens: torch.Tensor) -> torch.Tensor:
