@@ -16,7 +16,7 @@ MIB = 1024 ** 2
 
 def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: float, **extra) -> dict:
     record = {"step": step, "reward_mean": reward, "reward_std": 0.1, "accuracy": reward,
-              "response_len_mean": 40.0 + step, "rollout_s": 2.0, "step_s": 5.0,
+              "response_len_mean": 40.0 + step, "rollout_s": 2.0,
               "kv_peak_bytes": int(1.6 * MIB), "kv_dense_bytes": 4 * MIB, "kv_peak_frac": 0.4, "kv_kept_frac": kept,
               "xi_mean": 1.0, "xi_min": 0.01 * step, "xi_q01": 0.5, "kl_sampler_old": 0.02 * step,
               "rejected_seq_frac": vetoed / 8, "rejected_token_frac": vetoed / 16, "flagged_veto_frac": veto_flagged,
