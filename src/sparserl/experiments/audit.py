@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..model.forward import positions_from_mask
 from ..rollout.engine import RolloutEngine, SamplingConfig, sparsity_from_config
 from ..rollout.replay import replay_masks
+from ..rollout.scheduler import schedule_rollouts
 from ..tasks.pointer_walk import first_error_hop, needed_source
 from ..train.evaluation import decode_responses
 from .eval import held_out
@@ -48,7 +49,8 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
     firsts, correct_values = [], []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        batch = engine.generate([tokenizer(e.prompt).input_ids for e in chunk], sampling)
+        batch = schedule_rollouts(engine, [tokenizer(e.prompt).input_ids for e in chunk], sampling,
+                                  seeds=[0] * len(chunk))  # greedy: the seeds draw nothing
         texts = decode_responses(tokenizer, batch)
         ids, mask = batch.input_ids, batch.attention_mask
         dense_logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
