@@ -3,7 +3,7 @@
     python bench/rollout.py --threads 1 [--quick] [--models builtin,30m] [--lengths 512,1024,2048,4096]
                             [--policies h2o,pyramidkv,rkv,snapkv,streamingllm] [--lengths-30m 4096]
                             [--policies-30m ...] [--hf-30m] [--block-dense-layers 2,0] [--batch 32] [--json FILE]
-                            [--profile MODEL:L:POLICY]
+                            [--profile MODEL:L:POLICY] [--stress | --stress-only] [--repeats 7]
 
 For each model and each total length L (prompt + response), every row of a batch of --batch rows gets
 a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS disabled), with:
@@ -15,6 +15,10 @@ a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS dis
 - the reference setting (Sparse-RL): rkv at B=512, interval 128, window 8, at L = 4096 only;
 - HF `model.generate` on the same model and prompts (do_sample, temperature 1, no top-k/top-p,
   min_new_tokens = max_new_tokens = L - 64, use_cache) as a peer for the dense engine.
+`--stress` (or `--stress-only`) adds the stress regime at equal batch: the warm-started built-in model, 8
+pointer-walk prompts x 8 samples with per-row seeds, EOS off, dense against R-KV at B = 56 (the config's window
+and interval), `--repeats` interleaved pairs; it reports ms per decode step, the per-pair ratio sparse/dense
+(goal: at most 1.05x) and the compression share.
 
 Models (random init with --seed, float32; we measure speed and memory, not quality):
 - builtin: `sparserl.model.loading.builtin_model_config(97)` (0.6M parameters) with max_position_embeddings 8192;
@@ -89,7 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, metavar="MODEL:L:POLICY",
                    help="after the table, cProfile one sparse rollout (B = L/4), e.g. builtin:2048:rkv")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--stress", action="store_true",
+                   help="also time the stress regime at equal batch: the warm-started built-in model, 8 pointer-walk "
+                        "prompts x 8 samples, EOS off, dense against R-KV at B = 56 (--repeats interleaved pairs)")
+    p.add_argument("--stress-only", action="store_true", help="only the stress-regime comparison (no L table)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved dense/sparse pairs of --stress (default 7)")
     args = p.parse_args(argv)
+    args.stress = args.stress or args.stress_only
     if not 32 <= args.batch <= 64:
         p.error("--batch must be in 32..64")
     if args.quick:
@@ -391,6 +401,65 @@ def block_lines(rows: list[dict], summary: dict) -> list[str]:
     return lines
 
 
+def stress(args) -> dict:
+    """Dense against R-KV at the stress budget (B = 56, the config's window and interval) at equal batch:
+    the warm-started built-in model, 8 prompts x 8 samples of the default pointer-walk task, per-row
+    seeds, EOS off (every row decodes the task's max_new_tokens). One untimed run each, then
+    `--repeats` pairs (dense, sparse) back to back; per decode step = rollout_seconds / steps."""
+    import statistics
+
+    from sparserl.config.schema import load_config
+    from sparserl.model.loading import load_policy
+    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+    from sparserl.rollout.scheduler import request_seed
+    from sparserl.tasks.registry import max_new_tokens, task_from_config
+
+    config = load_config()
+    model, tokenizer = load_policy(None)
+    model.eval()
+    task = task_from_config(config.task)
+    steps = max_new_tokens(config.task, task)
+    prompts = [tokenizer(e.prompt).input_ids for e in task.examples(8, seed=args.seed) for _ in range(8)]
+    seeds = [request_seed(args.seed, i) for i in range(len(prompts))]
+    sampling = SamplingConfig(steps, 1.0, None, tokenizer.pad_token_id, prompt_width=max(len(p) for p in prompts))
+    comp = KVCompression("rkv", budget=56, window=config.rollout.kv_window, interval=config.rollout.kv_interval)
+    engines = {"dense": RolloutEngine(model, record_evictions=False),
+               "rkv": RolloutEngine(model, comp, record_evictions=False)}
+    runs: dict[str, list] = {name: [] for name in engines}
+    torch.set_num_threads(args.threads)
+    for name, engine in engines.items():
+        engine.generate(prompts, sampling, seeds=seeds)
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            gc.collect()
+            batch = engine.generate(prompts, sampling, seeds=seeds)
+            runs[name].append((batch.rollout_seconds, batch.kv.compress_seconds))
+    ratios = [s[0] / d[0] for d, s in zip(runs["dense"], runs["rkv"])]
+    shares = [c / t for t, c in runs["rkv"]]
+
+    def per_step(name):
+        values = [t / steps * 1e3 for t, _ in runs[name]]
+        return statistics.median(values), min(values), max(values)
+
+    return {"steps": steps, "rows": len(prompts), "budget": comp.budget, "window": comp.window,
+            "interval": comp.interval, "repeats": args.repeats, "dense_ms_per_step": per_step("dense"),
+            "rkv_ms_per_step": per_step("rkv"), "ratio": statistics.median(ratios),
+            "ratio_spread": (min(ratios), max(ratios)), "compress_share": statistics.median(shares),
+            "compress_ms_per_step": statistics.median(c / steps * 1e3 for _, c in runs["rkv"])}
+
+
+def stress_text(r: dict) -> str:
+    ok = r["ratio"] <= 1.05
+    return (f"Stress regime at equal batch (warm-started built-in model, {r['rows']} rows = 8 pointer-walk prompts x 8, "
+            f"EOS off, {r['steps']} decode steps, R-KV B = {r['budget']}, w {r['window']}, Δ {r['interval']}; "
+            f"medians of {r['repeats']} interleaved pairs, min-max in brackets):\n"
+            f"- dense {r['dense_ms_per_step'][0]:.2f} ms/step ({r['dense_ms_per_step'][1]:.2f}-{r['dense_ms_per_step'][2]:.2f}), "
+            f"rkv {r['rkv_ms_per_step'][0]:.2f} ms/step ({r['rkv_ms_per_step'][1]:.2f}-{r['rkv_ms_per_step'][2]:.2f}), "
+            f"of which compression {r['compress_ms_per_step']:.2f} ms/step ({r['compress_share']:.1%} of the rollout)\n"
+            f"- 6. sparse / dense per decode step ≤ 1.05×: **{'MET' if ok else 'NOT MET'}** "
+            f"({r['ratio']:.3f}×, pairs {r['ratio_spread'][0]:.3f}-{r['ratio_spread'][1]:.3f})")
+
+
 def profile(args, spec: str) -> str:
     from sparserl.rollout.engine import KVCompression
 
@@ -433,18 +502,23 @@ def main(argv=None) -> int:
     results: dict = {"args": {k: v for k, v in vars(args).items()}, "load_avg_start": os.getloadavg(),
                      "probe_ms_start": contention_probe(args.threads),
                      "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
-    rows = bench(args)
+    rows = [] if args.stress_only else bench(args)
     results["rows"] = rows
+    if args.stress:
+        results["stress"] = stress(args)
     results["probe_ms_end"] = contention_probe(args.threads)
     results["load_avg_end"] = os.getloadavg()
     results["wall_s"] = time.perf_counter() - started
     reduced = "30m" in args.model_list and (
         set(args.policy_lists["30m"]) != set(args.policy_lists["builtin"])
         or args.length_lists["30m"] != args.length_lists["builtin"] or not hf_enabled(args, "30m"))
-    print(table(rows, args, reduced))
-    print()
-    text, results["goals"] = goals(rows)
-    print(text)
+    if rows:
+        print(table(rows, args, reduced))
+        print()
+        text, results["goals"] = goals(rows)
+        print(text)
+    if args.stress:
+        print(("\n" if rows else "") + stress_text(results["stress"]))
     print(f"\nload average (1/5/15 min) at start {tuple(round(x, 2) for x in results['load_avg_start'])}, "
           f"at end {tuple(round(x, 2) for x in results['load_avg_end'])}; {os.cpu_count()} CPUs; "
           f"torch threads {args.threads}; wall {results['wall_s']:.0f} s")

@@ -343,3 +343,58 @@ def test_every_policy_option_is_a_flag_that_reaches_each_policy_taking_it(key):
     if others:
         with pytest.raises(ValueError, match=f"does not apply to kv_policy {others[0]}"):
             load_config(None, {"kv_policy": others[0], key: value})
+
+
+def _select_slots_by_sorts(scores, real, columns, budget, window):
+    """select_slots' general path (recency by sorts), whatever the columns."""
+    if real.shape[1] == 1 and scores.shape[1] != 1:
+        scores = scores.sum(dim=1, keepdim=True)
+    scores = scores.to(torch.float64).expand_as(real)
+    recent_first = torch.where(real, columns, -1).argsort(dim=-1, descending=True, stable=True)
+    in_window = real & (recent_first.argsort(dim=-1) < window)
+    finite_max = torch.finfo(torch.float64).max
+    tiered = scores.nan_to_num(nan=-finite_max, posinf=finite_max, neginf=-finite_max)
+    tiered = tiered.masked_fill(in_window, float("inf")).masked_fill(~real, float("-inf"))
+    by_score = tiered.gather(-1, recent_first).argsort(dim=-1, descending=True, stable=True)
+    chosen = recent_first.gather(-1, by_score[..., :budget])
+    return chosen.gather(-1, columns.gather(-1, chosen).argsort(dim=-1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_slots_column_order_shortcut_equals_sorts(seed):
+    """With slots in column order select_slots skips two sorts; the kept slots must be the sorts' own,
+    ties (equal scores, padding anywhere) included, and other column layouts take the sorts."""
+    gen = torch.Generator().manual_seed(seed)
+    n, hs, length = 7, 2, 40
+    real = torch.rand(n, hs, length, generator=gen) > 0.3
+    real[0] = False  # a row of padding only
+    scores = torch.randint(0, 4, (n, hs, length), generator=gen).float()  # many ties
+    scores[1, 0, 3] = float("nan")
+    columns = torch.randint(1, 4, (n, hs, length), generator=gen).cumsum(dim=-1)
+    for cols in (columns, columns.flip(-1), columns - 5):  # in order; decreasing; in order but negative
+        for budget, window in ((10, 4), (25, 8), (40, 3), (5, 8)):
+            assert torch.equal(select_slots(scores, real, cols, budget, window),
+                               _select_slots_by_sorts(scores, real, cols, budget, window))
+
+
+def test_rkv_helpers_equal_their_plain_forms():
+    from sparserl.rollout.kv_policies import _gather_rows, _true_positions, _zero_upper
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, first in (((3, 2, 40, 200), 150), ((2, 2, 4, 30), 20)):  # the where() path and tril_'s
+        base = torch.randn(shape, generator=gen)
+        expected = base.clone()
+        expected[..., first:].tril_(-1)
+        _zero_upper(base[..., first:])
+        assert torch.equal(base, expected)
+    mask = torch.zeros(3, 2, 30, dtype=torch.bool)
+    picks = torch.rand(3, 2, 30, generator=gen).argsort(dim=-1)[..., :7]
+    mask.scatter_(2, picks, True)
+    positions = _true_positions(mask, 7)
+    assert torch.equal(positions, mask.float().argsort(dim=-1, descending=True, stable=True)[..., :7])
+    with pytest.raises(ValueError):
+        _true_positions(mask, 6)
+    tensor = torch.randn(3, 2, 30, 5, generator=gen)
+    expected = tensor.gather(2, positions[..., None].expand(-1, -1, -1, 5))
+    assert torch.equal(_gather_rows(tensor, positions), expected)
+    assert torch.equal(_gather_rows(tensor.transpose(0, 1).contiguous().transpose(0, 1), positions), expected)

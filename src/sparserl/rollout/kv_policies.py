@@ -95,6 +95,17 @@ class ScoringInputs:
         n, hkv, length = self.keys.shape[:3]
         return self.real.expand(n, hkv, length), self.columns.expand(n, hkv, length)
 
+    def all_real(self) -> bool:
+        """Every slot holds a real token (then masks of padding slots change nothing and are skipped)."""
+        if getattr(self, "_all_real", None) is None:
+            self._all_real = bool(self.real.all())
+        return self._all_real
+
+    def all_queries_real(self) -> bool:
+        if getattr(self, "_all_queries_real", None) is None:
+            self._all_queries_real = bool(self.query_real.all())
+        return self._all_queries_real
+
 
 def build_policy(name: str, settings: Mapping[str, Any], window: int) -> "KVPolicy":
     """Policy `name`, its options read from `settings` (config key -> value; a key not there keeps the
@@ -200,13 +211,24 @@ class SnapKV(KVPolicy):
         real, _ = inputs.per_kv_head()
         # Query head h reads KV head h // group (GQA), so group the queries under their KV head.
         grouped = queries.view(n, hkv, hq // hkv, w, dim)
-        logits = torch.einsum("nhgwd,nhld->nhgwl", grouped, keys) / dim ** 0.5
-        logits = logits.masked_fill(~real[:, :, None, None, :], float("-inf"))
+        # In place on the fresh products (the same kernels, so the same values as out of place); masks
+        # that would change nothing (every slot real, every window query real) are skipped.
+        # The product einsum("nhgwd,nhld->nhgwl") makes, as the same batched matmul without its overhead.
+        logits = torch.matmul(grouped.reshape(n, hkv, hq // hkv * w, dim), keys.transpose(-1, -2))
+        logits = logits.view(n, hkv, hq // hkv, w, length).div_(dim ** 0.5)
+        if not inputs.all_real():
+            logits.masked_fill_(~real[:, :, None, None, :], float("-inf"))
         # A row with no real slot softmaxes to NaN; it has nothing to rank, so zero it.
-        probs = logits.softmax(dim=-1).nan_to_num(0.0)
-        probs = probs * inputs.query_real.to(probs)[:, None, None, :, None]
+        probs = logits.softmax(dim=-1).nan_to_num_(0.0)
+        if not inputs.all_queries_real():
+            probs.mul_(inputs.query_real.to(probs)[:, None, None, :, None])
         summed = probs.sum(dim=3)  # [N, Hkv, group, L]
-        pooled = summed.amax(dim=2) if self.pooling == "max" else summed.mean(dim=2)
+        if self.pooling == "max":  # the max over the group, one head at a time (exact, cheaper than amax)
+            pooled = summed[:, :, 0]
+            for head in range(1, summed.shape[2]):
+                pooled = torch.maximum(pooled, summed[:, :, head])
+        else:
+            pooled = summed.mean(dim=2)
         flat = pooled.reshape(n * hkv, 1, length)
         pad = self.kernel_size // 2
         if self.pooling == "max":
@@ -264,11 +286,14 @@ class RKV(KVPolicy):
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         real, _ = inputs.per_kv_head()
-        attention = self.importance.score(inputs).masked_fill(~real, 0.0)
-        importance = attention / attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        self._unit = _unit_keys(inputs.keys, real)
+        all_real = inputs.all_real()
+        attention = self.importance.score(inputs)
+        if not all_real:
+            attention.masked_fill_(~real, 0.0)
+        importance = attention.div_(attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+        self._unit = _unit_keys(inputs.keys, real, all_real)
         sums = self._update_row_sums(inputs.layer_idx, self._unit)
-        return self.lam * importance - (1.0 - self.lam) * self._distribution(sums, real)
+        return importance.mul_(self.lam).sub_(self._distribution(sums, real, all_real).mul_(1.0 - self.lam))
 
     def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """The redundancy distribution `[N, Hkv, L]` computed from scratch."""
@@ -281,41 +306,52 @@ class RKV(KVPolicy):
         n, heads, length = sums.shape
         slots = slots.expand(n, heads, -1)
         evicted_mask = torch.ones(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, False)
-        evicted = evicted_mask.float().argsort(dim=-1, descending=True, stable=True)[..., : length - slots.shape[-1]]
+        evicted = _true_positions(evicted_mask, length - slots.shape[-1])  # [N, Hkv, E], in slot order
         gone = _gather_rows(unit, evicted)  # [N, Hkv, E, D], in slot order
         removed = (unit @ gone.sum(dim=2)[..., None]).squeeze(-1)  # every evicted slot, thresholds aside
         # Row i spares the evicted slots older than it: the first `older[i]` of them (both in slot order).
         older = evicted_mask.long().cumsum(dim=-1) - evicted_mask.long()
+        zero = torch.zeros((), dtype=unit.dtype, device=unit.device)
         for start in range(0, gone.shape[2], self.BLOCK):
             block = gone[:, :, start:start + self.BLOCK]
+            width = block.shape[2]
             sim = self._spared(unit, block)  # [N, Hkv, L, b]
-            first_not_older = (older - start).clamp_(0, block.shape[2])
-            sim.masked_fill_(torch.arange(block.shape[2], device=sim.device) >= first_not_older[..., None], 0.0)
+            # (older is in [0, E] already: with one block, the clamp changes nothing)
+            first_not_older = older if gone.shape[2] <= self.BLOCK else (older - start).clamp_(0, width)
+            # Row i zeroes its columns from first_not_older[i] on: row k of `suffixes` is that mask for
+            # first_not_older = k, so the [N, Hkv, L, b] mask is one row lookup (a broadcast comparison
+            # that size is ~30x slower on a CPU), and where(out=sim) zeroes in place faster than masked_fill_.
+            columns = torch.arange(width, device=sim.device)
+            suffixes = columns >= torch.arange(width + 1, device=sim.device)[:, None]  # [b + 1, b]
+            beyond = suffixes.index_select(0, first_not_older.reshape(-1)).view(sim.shape)
+            torch.where(beyond, zero, sim, out=sim)
             removed -= sim.sum(dim=-1)
         self._row_sums[inputs.layer_idx] = (sums - removed).gather(2, slots)
 
     def _update_row_sums(self, layer: int, unit: torch.Tensor) -> torch.Tensor:
         previous = self._row_sums.get(layer)
         old = 0 if previous is None else previous.shape[2]
+        sums = torch.empty(unit.shape[:3], dtype=unit.dtype, device=unit.device)
         if previous is not None:
             # Old rows gain the appended slots, which are newer, so always counted.
-            previous = previous + (unit[:, :, :old] @ unit[:, :, old:].sum(dim=2)[..., None]).squeeze(-1)
-        new_rows = self._new_row_sums(unit, old)
-        sums = new_rows if previous is None else torch.cat([previous, new_rows], dim=2)
+            torch.add(previous, (unit[:, :, :old] @ unit[:, :, old:].sum(dim=2)[..., None]).squeeze(-1),
+                      out=sums[:, :, :old])
+        self._new_row_sums(unit, old, out=sums[:, :, old:])
         self._row_sums[layer] = sums
         return sums
 
-    def _new_row_sums(self, unit: torch.Tensor, first_row: int) -> torch.Tensor:
+    def _new_row_sums(self, unit: torch.Tensor, first_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Row sums of the slots first_row.. against all, without the diagonal and without older
-        near-duplicates. Slots are in column order (ScoringInputs), so "j is older than i" is j < i."""
+        near-duplicates. Slots are in column order (ScoringInputs), so "j is older than i" is j < i.
+        Written into `out` when given."""
         rows = unit[:, :, first_row:]
         diagonal = rows.square().sum(dim=-1)
-        sums = (rows @ unit.sum(dim=2)[..., None]).squeeze(-1) - diagonal
+        sums = torch.sub((rows @ unit.sum(dim=2)[..., None]).squeeze(-1), diagonal, out=out)
         for start in range(0, rows.shape[2], self.BLOCK):
             stop = min(start + self.BLOCK, rows.shape[2])
             sim = self._spared(rows[:, :, start:stop], unit)  # [N, Hkv, b, L]
             # Only older slots spare: row r of the block is slot first_row + start + r.
-            sim[..., first_row + start:].tril_(-1)
+            _zero_upper(sim[..., first_row + start:])
             sums[..., start:stop] -= sim.sum(dim=-1)
         return sums
 
@@ -329,19 +365,50 @@ class RKV(KVPolicy):
         return F.threshold_(sim, self.similarity_threshold, 0.0)
 
     @staticmethod
-    def _distribution(sums: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    def _distribution(sums: torch.Tensor, real: torch.Tensor, all_real: bool = False) -> torch.Tensor:
         mean_sim = sums / (real.sum(dim=-1, keepdim=True) - 1).clamp_min(1)
-        return mean_sim.masked_fill(~real, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        if not all_real:
+            mean_sim.masked_fill_(~real, float("-inf"))
+        return mean_sim.softmax(dim=-1).nan_to_num_(0.0)
 
 
-def _unit_keys(keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Unit-norm keys in float32, zero on padding, so padding adds no similarity."""
-    return torch.nn.functional.normalize(keys.float(), dim=-1) * real[..., None]
+def _unit_keys(keys: torch.Tensor, real: torch.Tensor, all_real: bool = False) -> torch.Tensor:
+    """Unit-norm keys in float32, zero on padding, so padding adds no similarity (with every slot
+    real the multiplication by 1 is skipped: it changes no value)."""
+    keys = keys.float()
+    # F.normalize's own computation (x / max(||x||, 1e-12)), without its Python overhead.
+    unit = keys / torch.linalg.vector_norm(keys, 2, dim=-1, keepdim=True).clamp_min_(1e-12)
+    return unit if all_real else unit.mul_(real[..., None])
 
 
 def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`tensor [N, H, L, D]` at slots `index [N, H, K]`."""
-    return tensor.gather(2, index[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+    """`tensor [N, H, L, D]` at slots `index [N, H, K]` (an index_select of whole rows of the flattened
+    tensor, a plain copy, faster on a CPU than a gather with the index expanded over D)."""
+    n, heads, length, dim = tensor.shape
+    if not tensor.is_contiguous():
+        return tensor.gather(2, index[..., None].expand(-1, -1, -1, dim))
+    offsets = torch.arange(0, n * heads * length, length, device=tensor.device).view(n, heads, 1)
+    return tensor.view(-1, dim).index_select(0, (index + offsets).view(-1)).view(n, heads, index.shape[-1], dim)
+
+
+def _zero_upper(matrices: torch.Tensor) -> None:
+    """`matrices.tril_(-1)` (zero where column >= row): on a large strided view as a where() in place,
+    which on a CPU is ~3x faster than tril_'s copy there and back; the same values either way."""
+    rows, cols = matrices.shape[-2:]
+    if matrices.numel() < 1 << 16:
+        matrices.tril_(-1)
+        return
+    upper = torch.arange(cols, device=matrices.device) >= torch.arange(rows, device=matrices.device)[:, None]
+    torch.where(upper, torch.zeros((), dtype=matrices.dtype, device=matrices.device), matrices, out=matrices)
+
+
+def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """`[..., count]` positions of the True entries of `mask [..., L]` along its last dim, ascending;
+    every row must hold exactly `count` of them."""
+    found = mask.nonzero()
+    if found.shape[0] != mask[..., 0].numel() * count:
+        raise ValueError(f"every row of the mask must hold exactly {count} True entries")
+    return found[:, -1].reshape(*mask.shape[:-1], count)
 
 
 @register
@@ -389,16 +456,28 @@ def select_slots(scores: torch.Tensor, real: torch.Tensor, columns: torch.Tensor
     if real.shape[1] == 1 and scores.shape[1] != 1:
         scores = scores.sum(dim=1, keepdim=True)
     scores = scores.to(torch.float64).expand_as(real)
-    recency = torch.where(real, columns, torch.full_like(columns, -1))
-    recent_first = recency.argsort(dim=-1, descending=True, stable=True)
-    recent_rank = recent_first.argsort(dim=-1)
+    length = real.shape[-1]
+    # Slots in column order (columns strictly increasing and >= 0, as the cache keeps them): the recency
+    # order, real slots newest first and then padding oldest first, is counts of real slots; the same
+    # order as the two sorts of the general case, without them.
+    ordered = length > 0 and bool((columns.diff(dim=-1) > 0).all() & (columns[..., 0] >= 0).all())
+    if ordered:
+        slot = torch.arange(length, device=real.device)
+        counted = real.cumsum(dim=-1)
+        recent_rank = (counted[..., -1:] - counted).add_(slot.masked_fill(real, 0))
+        recent_first = torch.empty_like(recent_rank).scatter_(-1, recent_rank, slot.expand_as(recent_rank))
+    else:
+        recency = torch.where(real, columns, -1)
+        recent_first = recency.argsort(dim=-1, descending=True, stable=True)
+        recent_rank = recent_first.argsort(dim=-1)
     in_window = real & (recent_rank < window)
     finite_max = torch.finfo(torch.float64).max
     # Three tiers: window (+inf) above every real score (finite) above padding (-inf).
     tiered = scores.nan_to_num(nan=-finite_max, posinf=finite_max, neginf=-finite_max)
-    tiered = torch.where(in_window, torch.full_like(tiered, float("inf")), tiered)
-    tiered = torch.where(real, tiered, torch.full_like(tiered, float("-inf")))
+    tiered = tiered.masked_fill_(in_window, float("inf")).masked_fill_(~real, float("-inf"))
     # A stable sort of the recency-ordered scores breaks every tie towards the more recent slot.
     by_score = tiered.gather(-1, recent_first).argsort(dim=-1, descending=True, stable=True)
     chosen = recent_first.gather(-1, by_score[..., :budget])
+    if ordered:  # column order is slot order
+        return chosen.sort(dim=-1).values
     return chosen.gather(-1, columns.gather(-1, chosen).argsort(dim=-1))
