@@ -61,11 +61,15 @@ def test_model_command_refuses_a_used_directory_and_unknown_names(tmp_path, caps
 
 @pytest.mark.parametrize("eos, compression", [(False, None), (True, None), (True, "rkv"), (False, "snapkv")])
 def test_decode_loop_host_syncs(monkeypatch, eos, compression):
-    """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout: none
-    per decode step without EOS, one per step (the stop check) with it, a bounded few otherwise."""
+    """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout on a GPU:
+    none per decode step without EOS, one per step (the stop check) with it, a bounded few otherwise.
+    The policies' CPU-only shortcuts (`host_reads_are_cheap`) are turned off, as on a GPU."""
     from conftest import make_tiny_model
 
+    from sparserl.rollout import kv_policies
     from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+
+    monkeypatch.setattr(kv_policies, "host_reads_are_cheap", lambda tensor: False)
 
     model, tokenizer = make_tiny_model()
     engine = RolloutEngine(model, KVCompression(compression, budget=12, window=3, interval=4) if compression else None,

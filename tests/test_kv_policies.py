@@ -398,3 +398,30 @@ def test_rkv_helpers_equal_their_plain_forms():
     expected = tensor.gather(2, positions[..., None].expand(-1, -1, -1, 5))
     assert torch.equal(_gather_rows(tensor, positions), expected)
     assert torch.equal(_gather_rows(tensor.transpose(0, 1).contiguous().transpose(0, 1), positions), expected)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_gpu_path_without_host_reads_samples_what_the_cpu_shortcuts_sample(policy, monkeypatch):
+    """The shortcuts taken where host reads are free (skipped masks, sort-free orders, nonzero) change
+    no bit: the same rollout with them turned off (as on a GPU) gives the same tokens, log-probs and
+    eviction records."""
+    from conftest import make_tiny_model
+
+    from sparserl.rollout import kv_policies
+    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+
+    model, tokenizer = make_tiny_model(seed=2)
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12][: 5 + i % 4] for i in range(6)]
+    sampling = SamplingConfig(30, 1.0, None, tokenizer.pad_token_id)
+
+    def sample():
+        engine = RolloutEngine(model, KVCompression(policy, budget=8, window=3, interval=3), record_evictions=True)
+        return engine.generate(prompts, sampling, seeds=list(range(6)))
+
+    cpu = sample()
+    monkeypatch.setattr(kv_policies, "host_reads_are_cheap", lambda tensor: False)
+    gpu = sample()
+    assert torch.equal(cpu.response_ids, gpu.response_ids)
+    assert torch.equal(cpu.sampler_logprobs, gpu.sampler_logprobs)
+    assert all(torch.equal(a.kept_columns, b.kept_columns) for a, b in zip(cpu.evictions, gpu.evictions))
+    assert cpu.kv.compressions > 0

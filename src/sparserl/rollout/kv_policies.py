@@ -96,15 +96,22 @@ class ScoringInputs:
         return self.real.expand(n, hkv, length), self.columns.expand(n, hkv, length)
 
     def all_real(self) -> bool:
-        """Every slot holds a real token (then masks of padding slots change nothing and are skipped)."""
+        """Every slot holds a real token (then masks of padding slots change nothing and are skipped).
+        Known only where asking is free (`host_reads_are_cheap`); elsewhere False, and the masks run."""
         if getattr(self, "_all_real", None) is None:
-            self._all_real = bool(self.real.all())
+            self._all_real = host_reads_are_cheap(self.real) and bool(self.real.all())
         return self._all_real
 
     def all_queries_real(self) -> bool:
         if getattr(self, "_all_queries_real", None) is None:
-            self._all_queries_real = bool(self.query_real.all())
+            self._all_queries_real = host_reads_are_cheap(self.query_real) and bool(self.query_real.all())
         return self._all_queries_real
+
+
+def host_reads_are_cheap(tensor: torch.Tensor) -> bool:
+    """A value read back to Python costs nothing on a CPU, but stalls a GPU's queue: the shortcuts that
+    need one (skipping masks, sort-free orders) run only on a CPU; the GPU path has no host reads."""
+    return tensor.device.type == "cpu"
 
 
 def build_policy(name: str, settings: Mapping[str, Any], window: int) -> "KVPolicy":
@@ -405,6 +412,8 @@ def _zero_upper(matrices: torch.Tensor) -> None:
 def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """`[..., count]` positions of the True entries of `mask [..., L]` along its last dim, ascending;
     every row must hold exactly `count` of them."""
+    if not host_reads_are_cheap(mask):  # nonzero reads its size back; a stable sort does not
+        return mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :count]
     found = mask.nonzero()
     if found.shape[0] != mask[..., 0].numel() * count:
         raise ValueError(f"every row of the mask must hold exactly {count} True entries")
@@ -460,7 +469,8 @@ def select_slots(scores: torch.Tensor, real: torch.Tensor, columns: torch.Tensor
     # Slots in column order (columns strictly increasing and >= 0, as the cache keeps them): the recency
     # order, real slots newest first and then padding oldest first, is counts of real slots; the same
     # order as the two sorts of the general case, without them.
-    ordered = length > 0 and bool((columns.diff(dim=-1) > 0).all() & (columns[..., 0] >= 0).all())
+    ordered = length > 0 and host_reads_are_cheap(columns) and \
+        bool((columns.diff(dim=-1) > 0).all() & (columns[..., 0] >= 0).all())
     if ordered:
         slot = torch.arange(length, device=real.device)
         counted = real.cumsum(dim=-1)
