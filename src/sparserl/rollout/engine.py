@@ -237,9 +237,10 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  generator: torch.Generator | None = None, on_step=None,
                  seeds: list[int] | None = None) -> RolloutBatch:
-        """Sample one response per prompt. Randomness comes from `seeds` (one per row: each row draws
-        from its own generator, so its tokens do not depend on the other rows) or else from the one
-        `generator` shared by the batch. `on_step`, if given, is called after each decode step.
+        """Sample one response per prompt. Randomness comes from `seeds` (one per row: a row's draw at a
+        step is a function of its seed and the step, `row_uniforms`, so its tokens do not depend on the
+        other rows) or else from the one `generator` shared by the batch. `on_step`, if given, is called
+        after each decode step.
 
         A row that has ended leaves the batch (its cache rows are dropped) once an eighth of the rows
         in it have ended, so finished rows stop costing compute; block-sparse rollouts keep every row.
