@@ -153,3 +153,14 @@ def test_row_seeded_sampling_draws_from_the_distribution():
     assert counts[4] == 0
     assert ((counts - rows * probs).abs() <= 4 * (rows * probs * (1 - probs)).sqrt()).all()
     assert torch.allclose(logprob.double(), probs.log()[token], atol=1e-6)
+
+
+def test_auto_memory_is_a_share_of_what_is_free(monkeypatch):
+    import psutil
+
+    from sparserl.rollout.scheduler import AUTO_MEMORY_SHARE, resolve_kv_memory
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10 * 2**30})())
+    assert resolve_kv_memory("auto", torch.device("cpu")) == int(AUTO_MEMORY_SHARE * 10 * 2**30)
+    assert resolve_kv_memory("64MiB", torch.device("cpu")) == 64 * 2**20
+    assert resolve_kv_memory(None, torch.device("cpu")) is None

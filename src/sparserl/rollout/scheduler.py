@@ -30,6 +30,8 @@ from .engine import RolloutBatch, RolloutEngine, SamplingConfig
 from .kv_cache import EvictionEvent, KVStats
 
 AUTO_MEMORY_SHARE = 0.9  # of the memory free after the weights, as vLLM's gpu_memory_utilization
+
+
 def request_seed(seed: int, row: int) -> int:
     """The sampling seed of row `row` of a batch seeded `seed` (a step's, an evaluation's): an
     independent stream per (seed, row)."""
