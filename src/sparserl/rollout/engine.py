@@ -256,7 +256,7 @@ class RolloutEngine:
         comp = self.compression if isinstance(self.compression, KVCompression) else None
         block = self.compression if isinstance(self.compression, BlockSparsity) else None
         page = block.page_size if block else 1
-        full = -(-(width + steps) // page) * page  # block attention gathers whole pages of the buffers
+        full = self._full_capacity(width, steps)
         capacities = self.capacities(width, steps, len(_decoder_layers(model)))
         # Compressed buffers grow an interval at a time, so that memory follows a growing schedule; a budget
         # that can never bind grows as the dense cache does (and so costs the same memory when rows leave).
@@ -365,17 +365,22 @@ class RolloutEngine:
         budget) + one interval when compressed."""
         comp = self.compression if isinstance(self.compression, KVCompression) else None
         if comp is None:
-            page = self.compression.page_size if isinstance(self.compression, BlockSparsity) else 1
-            return [-(-(width + steps) // page) * page] * num_layers
+            return [self._full_capacity(width, steps)] * num_layers
         budgets = self._layer_budgets(comp.budgets.max_budget, num_layers)
         return [min(max(width, budgets[i]) + comp.interval, width + steps) for i in range(num_layers)]
+
+    def _full_capacity(self, width: int, steps: int) -> int:
+        """The dense cache's slots (and sliding-window layers'): the whole sequence, in whole pages under
+        block attention, which gathers whole pages of the buffers."""
+        page = self.compression.page_size if isinstance(self.compression, BlockSparsity) else 1
+        return -(-(width + steps) // page) * page
 
     def row_bytes(self, width: int, steps: int) -> int:
         """The KV bytes one row can reach (its buffers at capacity) for prompts of width `width` and
         `steps` new tokens."""
         parameter = next(self.model.parameters())
         capacities = self.capacities(width, steps, len(_decoder_layers(self.model)))
-        full = width + steps if isinstance(self.compression, KVCompression) else capacities[0]
+        full = self._full_capacity(width, steps)
         # An empty cache of one row: its layers know their kinds and capacities and allocate nothing yet.
         cache = build_cache(self.model, 1, capacities, False, parameter.dtype, parameter.device, full_capacity=full)
         return sum(layer.max_capacity * 2 * layer.kv_heads * layer.head_dim * parameter.element_size()
