@@ -56,7 +56,7 @@ def main() -> None:
     print(f"KV memory {kv_memory / 1e9:.1f} GB (90% of 80 GB - weights {weights / 1e9:.1f} GB - "
           f"activations {ACTIVATION_RESERVE / 1e9:.0f} GB); {args.requests} requests, prompt {args.prompt}, "
           f"responses {min(lengths)}-{max(lengths)} tokens (uniform, seed {args.seed})\n")
-    print("| rollout | row MiB | rows in flight | waves | decode s | compress s | total s | speedup |")
+    print("| rollout | row MiB | rows in flight | cohorts | decode s | compress s | total s | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     dense_total = None
     for budget in (None, args.max_response // 2, args.max_response // 4, args.max_response // 8):
@@ -67,7 +67,7 @@ def main() -> None:
         result = model.predict_scheduled(lengths, args.prompt, rows, compression)
         dense_total = dense_total or result["total_s"]
         name = "dense" if budget is None else f"R-KV B={budget}"
-        print(f"| {name} | {row / 2**20:.1f} | {rows} | {result['waves']} | {result['decode_s']:.1f} | "
+        print(f"| {name} | {row / 2**20:.1f} | {rows} | {result['cohorts']} | {result['decode_s']:.1f} | "
               f"{result['compress_s']:.1f} | {result['total_s']:.1f} | {dense_total / result['total_s']:.2f}x |")
 
 

@@ -10,12 +10,14 @@ temperature 1, EOS on (responses end at 18-84 tokens, as RL responses vary), 8 p
 - `dense`: rows leave the batch as they end;
 - per decode step at equal batch (EOS off, 84 tokens each): R-KV at the stress budget B = 56 against dense;
 - equal KV memory: the budget the 64 dense rows reach (`RolloutEngine.row_bytes` x 64); 16 prompts x 8
-  requests; dense runs them in waves of what fits (64), R-KV at B = 56 fits more.
+  requests; dense decodes what fits (64) at a time, waiting requests joining as rows end, R-KV at
+  B = 56 fits more; and dense in waves of 64 (each wave waiting for its longest row: the scheduler
+  before requests could join mid-flight).
 Part 2, long responses (random built-in architecture with 8192 positions, 64-token prompts, EOS off,
 L = 4096): dense against R-KV at B = L/4 (window 8, interval L/32) at the KV memory 8 dense rows reach,
 32 requests. Skipped by --quick.
 
-Every row reports rows in flight (S), waves, peak KV measured from the buffers (never above the budget),
+Every row reports rows in flight (S), cohorts (groups of requests that started together), peak KV measured from the buffers (never above the budget),
 the tokens generated, seconds (median of --repeats interleaved runs after one warm-up) and tokens/s.
 """
 
@@ -33,7 +35,7 @@ from common import compression_interval, contention_probe
 from sparserl.config.schema import load_config
 from sparserl.model.loading import builtin_model_config, load_policy
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.scheduler import request_seed, rows_in_flight, schedule_rollouts
+from sparserl.rollout.scheduler import merge_waves, request_seed, rows_in_flight, schedule_rollouts
 from sparserl.tasks.registry import max_new_tokens, task_from_config
 
 STRESS_BUDGET = 56
@@ -49,24 +51,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _run(engine: RolloutEngine, prompts, sampling: SamplingConfig, seed: int) -> dict:
+def _run(engine: RolloutEngine, prompts, sampling: SamplingConfig, seed: int, in_waves: bool = False) -> dict:
+    seeds = [request_seed(seed, i) for i in range(len(prompts))]
     started = time.perf_counter()
-    batch = schedule_rollouts(engine, prompts, sampling, [request_seed(seed, i) for i in range(len(prompts))])
+    if in_waves:
+        rows = rows_in_flight(engine, sampling, sampling.prompt_width, len(prompts))
+        batch = merge_waves([engine.generate(prompts[i:i + rows], sampling, seeds=seeds[i:i + rows])
+                             for i in range(0, len(prompts), rows)], sampling.pad_token_id)
+        batch.kv.rows_in_flight = rows
+    else:
+        batch = schedule_rollouts(engine, prompts, sampling, seeds)
     seconds = time.perf_counter() - started
     tokens = int(batch.response_lengths.sum())
     return {"seconds": seconds, "tokens": tokens, "rows_in_flight": batch.kv.rows_in_flight,
-            "waves": -(-len(prompts) // batch.kv.rows_in_flight), "kv_peak_mib": batch.kv.kv_peak_bytes / 2**20,
+            "waves": batch.kv.waves, "kv_peak_mib": batch.kv.kv_peak_bytes / 2**20,
             "lengths": (int(batch.response_lengths.min()), int(batch.response_lengths.max()))}
 
 
 def measure(configs: dict[str, tuple], repeats: int, seed: int) -> dict[str, dict]:
     """Each config once untimed, then `repeats` rounds of all of them, interleaved; median seconds."""
-    for engine, prompts, sampling in configs.values():
-        _run(engine, prompts, sampling, seed)
+    for config in configs.values():
+        _run(*config[:3], seed, *config[3:])
     runs = {name: [] for name in configs}
     for _ in range(repeats):
-        for name, (engine, prompts, sampling) in configs.items():
-            runs[name].append(_run(engine, prompts, sampling, seed))
+        for name, config in configs.items():
+            runs[name].append(_run(*config[:3], seed, *config[3:]))
     results = {}
     for name, done in runs.items():
         seconds = statistics.median(r["seconds"] for r in done)
@@ -103,6 +112,7 @@ def part_one(args) -> dict[str, dict]:
         "dense, 8x8, EOS off": (dense, first, no_eos),
         "rkv B=56, 8x8, EOS off": (sparse, first, no_eos),
         "dense, 16x8, equal KV": (dense, prompts, limited),
+        "dense, 16x8, equal KV, in waves": (dense, prompts, limited, True),
         "rkv B=56, 16x8, equal KV": (sparse, prompts, limited),
     }, args.repeats, args.seed)
     for name in results:
@@ -131,7 +141,7 @@ def part_two(args) -> dict[str, dict]:
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| configuration | S | waves | KV budget MiB | peak KV MiB | lengths | tokens | s (min-max) | tokens/s |",
+    lines = ["| configuration | S | cohorts | KV budget MiB | peak KV MiB | lengths | tokens | s (min-max) | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         budget = f"{r['kv_budget_mib']:.2f}" if r["kv_budget_mib"] else "-"
@@ -148,7 +158,9 @@ def ratios(results: dict[str, dict]) -> list[str]:
     out = [f"rows leaving vs static batch (8x8, EOS on): {results['static, 8x8']['seconds'] / results['dense, 8x8']['seconds']:.2f}x faster",
            f"sparse / dense per decode step at equal batch (EOS off): {per_token('rkv B=56, 8x8, EOS off') / per_token('dense, 8x8, EOS off'):.2f}x",
            f"equal KV memory, built-in task, rkv / dense tokens/s: "
-           f"{results['rkv B=56, 16x8, equal KV']['tokens_per_s'] / results['dense, 16x8, equal KV']['tokens_per_s']:.2f}x"]
+           f"{results['rkv B=56, 16x8, equal KV']['tokens_per_s'] / results['dense, 16x8, equal KV']['tokens_per_s']:.2f}x",
+           f"requests joining vs waves (dense, 16x8, equal KV): "
+           f"{results['dense, 16x8, equal KV, in waves']['seconds'] / results['dense, 16x8, equal KV']['seconds']:.2f}x faster"]
     if "rkv B=L/4, L=4096, equal KV" in results:
         out.append(f"equal KV memory, L=4096, rkv / dense tokens/s: "
                    f"{results['rkv B=L/4, L=4096, equal KV']['tokens_per_s'] / results['dense, L=4096, equal KV']['tokens_per_s']:.2f}x")

@@ -106,15 +106,18 @@ def test_rates_are_probed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     assert len(calls) == 2 and len(json.loads(path.read_text())) == 2
 
 
-def test_scheduled_waves_by_hand():
-    """Two waves of two rows, dense, responses of 3, 2, 4 and 1 tokens, prompt 10; rates probed at 1 row.
-    Wave 1 (3, 2): forward 0 holds both rows at cache 11, forward 1 the first at 12. Wave 2 (4, 1):
-    forwards 0-2 hold the first row at caches 11, 12, 13; the 1-token row never feeds a token."""
+def test_scheduled_rows_join_as_rows_leave_by_hand():
+    """Two rows in flight, dense, responses of 5, 1, 1 and 5 tokens, prompt 10; rates probed at 1 row.
+    A row of length L feeds its tokens 0..L-2, its forward i attending over 11 + i cached tokens, and
+    leaves at its own step L - 1; a waiting request feeds its first token the step after.
+    Step 0: row A (5) feeds at 11; B (1) leaves, C (1) joins. Step 1: A at 12; C leaves, D (5) joins.
+    Steps 2-3: A at 13, 14 and D at 11, 12 (one forward of two rows, over the longer cache).
+    Steps 4-5: A has left; D at 13, 14. Waves of two would take 8 one-row forwards, not 6."""
     model = CostModel(RATES, SHAPES, probe_rows=1)
     step = model.step_seconds
-    expected = step(2, 11) + step(1, 12) + step(1, 11) + step(1, 12) + step(1, 13)
-    predicted = model.predict_scheduled([3, 2, 4, 1], prompt=10, rows_in_flight=2)
-    assert predicted["decode_s"] == pytest.approx(expected) and predicted["waves"] == 2
+    expected = step(1, 11) + step(1, 12) + step(2, 13) + step(2, 14) + step(1, 13) + step(1, 14)
+    predicted = model.predict_scheduled([5, 1, 1, 5], prompt=10, rows_in_flight=2)
+    assert predicted["decode_s"] == pytest.approx(expected) and predicted["cohorts"] == 3
     # Two rows' attention costs twice one row's: 0.01 s per cached token and row.
     assert step(2, 11) - step(1, 11) == pytest.approx(2 * (100 + 40) / 1e3 + 0.01 * 11)
     with pytest.raises(ValueError, match="probe_rows"):

@@ -10,9 +10,10 @@ from conftest import make_tiny_model, replay_logprobs
 from sparserl.config.sizes import parse_memory
 from sparserl.errors import ConfigError
 from sparserl.rollout.block_sparse import BlockSparsity
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig, _sample, row_uniforms
+from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
 from sparserl.rollout.kv_policies import POLICIES
 from sparserl.rollout.scheduler import rows_in_flight, schedule_rollouts
+from sparserl.rollout.token_draws import draw_tokens, row_uniforms
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 SPARSITIES = {"dense": None, **{name: KVCompression(name, budget=10, window=3, interval=3) for name in POLICIES},
@@ -90,6 +91,29 @@ def test_finished_rows_leave_the_batch(tiny64):
         assert size >= int((batch.response_lengths > step).sum())
 
 
+@pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o"])
+def test_waiting_requests_join_the_rows_still_decoding(tiny64, sparsity):
+    model, tokenizer = tiny64
+    calls = []  # (rows, tokens per row) of every forward
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
+                                             with_kwargs=True)
+    prompts, limit = _prompts(tokenizer), 5
+    try:
+        batch = RolloutEngine(model, SPARSITIES[sparsity]).generate(prompts, _eos_often(tokenizer),
+                                                                    seeds=list(range(14)), max_rows=limit)
+    finally:
+        handle.remove()
+    decode_rows = [rows for rows, tokens in calls if tokens == 1]
+    prefills = [i for i, (rows, tokens) in enumerate(calls) if tokens > 1]
+    assert max(decode_rows) <= limit and sum(calls[i][0] for i in prefills) == len(prompts)
+    # Some requests were prefilled while others were decoding: the forward after their prefill holds more rows.
+    assert any(i + 1 < len(calls) and calls[i + 1][0] > calls[i][0] for i in prefills[1:])
+    # In waves of 5, each wave decodes until its longest row ends; joining rows as they free take fewer steps.
+    lengths = batch.response_lengths.tolist()
+    wave_steps = sum(max(lengths[start:start + limit]) - 1 for start in range(0, len(prompts), limit))
+    assert len(decode_rows) < wave_steps
+
+
 def test_the_measured_peak_stays_within_the_kv_budget_and_sparse_rows_fit_more(tiny64):
     model, tokenizer = tiny64
     prompts, sampling = _prompts(tokenizer), _eos_often(tokenizer)
@@ -148,7 +172,7 @@ def test_row_seeded_sampling_draws_from_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
     rows = 20_000
     logits = probs.log().float().expand(rows, -1)
-    token, logprob, _ = _sample(logits, 1.0, None, row_uniforms(torch.arange(rows) * 7919 + 3, 0))
+    token, logprob, _ = draw_tokens(logits, 1.0, None, row_uniforms(torch.arange(rows) * 7919 + 3, 0))
     counts = torch.bincount(token, minlength=5).double()
     assert counts[4] == 0
     assert ((counts - rows * probs).abs() <= 4 * (rows * probs * (1 - probs)).sqrt()).all()

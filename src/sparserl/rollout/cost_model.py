@@ -26,9 +26,9 @@ cut to B every Δ steps, so it runs B+1..B+Δ between cuts; a schedule reads B f
 The predicted speedup with free compression (compression time 0) is the most a budget can give
 on this machine: dense time / sparse decode time.
 
-The scheduler's rollouts (`predict_scheduled`): a step's requests run S at a time (S from the KV
-memory a row reserves, `Shapes.row_bytes`), in waves that each last as long as their longest response;
-a step then holds only the rows still decoding, so the weights' FLOPs and attention scale with them.
+The scheduler's rollouts (`predict_scheduled`): at most S of a step's requests decode at once (S from
+the KV memory a row reserves, `Shapes.row_bytes`), a waiting request joining as a row ends; a step
+holds only the rows still decoding, so the weights' FLOPs and attention scale with them.
 
 `CostModel.probe` measures the rates for a model and batch in seconds (a matmul, a streaming read,
 short dense rollouts at two cache lengths, a never-full sparse rollout, steady-state compressions
@@ -182,26 +182,40 @@ class CostModel:
 
     def predict_scheduled(self, response_lengths: list[int], prompt: int, rows_in_flight: int,
                           compression: KVCompression | None = None) -> dict[str, float]:
-        """Predicted seconds of a step's requests (their response lengths, in queue order) run by the
-        rollout scheduler: waves of `rows_in_flight`, each decoding until its longest response ends, a
-        row costing only while it lives (it leaves the batch when it ends). Needs `probe_rows`."""
+        """Predicted seconds of a step's requests (their response lengths, in queue order) run as the
+        engine's `DecodeLoop` runs them: at most `rows_in_flight` rows at once, a row leaving the batch
+        when it has drawn its last token and a waiting request joining in its place (it feeds its first
+        token the step after). A forward attends over the longest cached row (the buffers' width); each
+        cohort (the rows that joined together) is compressed on its own clock. Prefills are left out,
+        and rows are taken to leave at once (the engine waits for an eighth of the batch). Needs
+        `probe_rows`."""
         if not self.probe_rows:
             raise ValueError("predict_scheduled needs the batch the rates were probed at (probe_rows)")
         schedule = compression.budgets if compression else None
         interval = compression.interval if compression else 1
+        lengths, compressions = cache_lengths(prompt, max(response_lengths), schedule, interval)
+        cuts = dict(zip((i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]), compressions))
+        active = [(length, 0) for length in response_lengths[:rows_in_flight]]  # (length, its first draw's step)
+        queue = list(response_lengths[rows_in_flight:])
         decode = compress = 0.0
-        waves = [response_lengths[i:i + rows_in_flight] for i in range(0, len(response_lengths), rows_in_flight)]
-        for wave in waves:
-            lengths, compressions = cache_lengths(prompt, max(wave), schedule, interval)
-            # Forward i feeds response token i: the rows whose response is longer than i + 1 tokens.
-            live = [sum(length > i + 1 for length in wave) for i in range(len(lengths))]
-            decode += sum(self.step_seconds(rows, cached, compression is not None)
-                          for rows, cached in zip(live, lengths) if rows)
-            cuts = [i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]]
-            compress += sum(self.compression_seconds(live[i], *cut, compression.policy)
-                            for i, cut in zip(cuts, compressions) if live[i])
+        step, cohorts = 0, 1
+        while queue or active:
+            # A row feeds token i at its own step i while it has more to draw: its response is longer than i + 1.
+            active = [(length, start) for length, start in active if step - start < length - 1]
+            if active:
+                decode += self.step_seconds(len(active), max(lengths[step - start] for _, start in active),
+                                            compression is not None)
+                for start in {start for _, start in active}:
+                    if step - start in cuts:
+                        rows = sum(1 for _, s in active if s == start)
+                        compress += self.compression_seconds(rows, *cuts[step - start], compression.policy)
+            joining = min(len(queue), rows_in_flight - len(active))
+            if joining:
+                active += [(length, step + 1) for length in queue[:joining]]
+                queue, cohorts = queue[joining:], cohorts + 1
+            step += 1
         return {"decode_s": decode, "compress_s": compress, "total_s": decode + compress,
-                "rows_in_flight": rows_in_flight, "waves": len(waves)}
+                "rows_in_flight": rows_in_flight, "cohorts": cohorts}
 
     def predicted_speedup(self, rows: int, prompt: int, new_tokens: int, compression: KVCompression,
                           free_compression: bool = False) -> float:

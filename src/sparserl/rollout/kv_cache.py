@@ -11,12 +11,18 @@ what makes a sparse rollout with a huge budget bitwise the dense one. Block-spar
 whole pages of the dense cache (`gather_pages`), so there the capacity is kept a multiple of the page.
 Sliding-window layers (hybrid models such as Gemma-3) keep every token and mask by distance;
 they are never compressed.
+
+Rows that joined the batch at different times (the engine refills freed rows, `decode_loop.py`)
+hold different numbers of slots: the layer then keeps a length per row, writes each row's new
+tokens after its own slots, and keeps every slot past a row's length unreal, so the mask hides it.
+With one length for all rows (the usual case) the layer runs the plain code, slot for slot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -39,7 +45,10 @@ class BufferLayer(CacheLayerMixin):
         self.growth = growth
         self.page_size = page_size  # the capacity stays a multiple of it
         self.dtype, self.device = dtype, device
-        self.length = 0
+        self.length = 0  # the longest row's slots
+        # Per-row slot counts `[N]` while rows differ (host copy and device copy), else None.
+        self.row_lengths: np.ndarray | None = None
+        self._row_lengths_device: torch.Tensor | None = None
         self.keys = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.columns = torch.empty(batch, selection_heads, 0, dtype=torch.long, device=device)
@@ -56,6 +65,8 @@ class BufferLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         incoming = key_states.shape[2]
+        if self.row_lengths is not None:
+            return self._update_rows(key_states, value_states)
         self._reserve(self.length + incoming)
         end = self.length + incoming
         self.keys[:, :, self.length:end] = key_states
@@ -64,6 +75,23 @@ class BufferLayer(CacheLayerMixin):
         self.real[:, :, self.length:end] = self.incoming_real[:, None, :]
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`update` when rows hold different numbers of slots: each row's tokens go after its own."""
+        incoming = key_states.shape[2]
+        self._reserve(self.length + incoming)
+        slots = self._row_lengths_device[:, None] + torch.arange(incoming, device=self.device)  # [N, Q]
+        rows = torch.arange(self.batch, device=self.device)[:, None]
+        # Advanced indices around a slice put their dimensions first: [N, Q, Hkv, D].
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        heads = self.selection_heads
+        self.columns[rows, :, slots] = self.incoming_columns[:, :, None].expand(-1, -1, heads)
+        self.real[rows, :, slots] = self.incoming_real[:, :, None].expand(-1, -1, heads)
+        self.row_lengths += incoming
+        self._row_lengths_device += incoming
+        self.length += incoming
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -100,9 +128,13 @@ class BufferLayer(CacheLayerMixin):
         """Bool `[N, Hs, Q, K]`: slot k is visible to a query if real and not after it (or itself)."""
         columns, real = self.columns[:, :, : self.length], self.real[:, :, : self.length]
         if query_columns.shape[1] == 1 and self.sliding_window is None:
-            # Decoding: every cached slot precedes the query, which sits in the last slot.
+            # Decoding: every cached slot precedes the query, which sits in its row's last slot.
             seen = real.clone()
-            seen[:, :, -1] = True
+            if self.row_lengths is None:
+                seen[:, :, -1] = True
+            else:
+                last = (self._row_lengths_device - 1)[:, None, None].expand(-1, seen.shape[1], 1)
+                seen.scatter_(2, last, True)
             return seen[:, :, None, :]
         q = query_columns[:, None, :, None]
         k = columns[:, :, None, :]
@@ -111,23 +143,66 @@ class BufferLayer(CacheLayerMixin):
             seen &= k > q - self.sliding_window
         return seen | (k == q)
 
-    def keep(self, slot_index: torch.Tensor) -> None:
-        """Move the slots `slot_index [N, Hs, B]` (in the order given) to the front of the buffer."""
-        kept = slot_index.shape[2]
+    def keep(self, slot_index: torch.Tensor, first_row: int = 0) -> None:
+        """Move the slots `slot_index [n, Hs, B]` (in the order given) of rows `first_row`... `first_row + n`
+        to the front of their buffers. Those rows hold the same number of slots (`row_length`)."""
+        count, kept = slot_index.shape[0], slot_index.shape[2]
+        length = self.row_length(first_row)
+        block = slice(first_row, first_row + count)
         heads_index = slot_index if self.selection_heads == self.kv_heads else slot_index.expand(-1, self.kv_heads, -1)
-        rows = self._flat_rows(heads_index, self.capacity)
-        shape = (self.batch, self.kv_heads, kept, self.head_dim)
-        self.keys[:, :, :kept] = self.keys.view(-1, self.head_dim).index_select(0, rows).view(shape)
-        self.values[:, :, :kept] = self.values.view(-1, self.head_dim).index_select(0, rows).view(shape)
-        self.columns[:, :, :kept] = self.columns[:, :, : self.length].gather(2, slot_index)
-        self.real[:, :, :kept] = self.real[:, :, : self.length].gather(2, slot_index)
-        self.length = kept
+        rows = self._flat_rows(heads_index, self.capacity, first_row)
+        shape = (count, self.kv_heads, kept, self.head_dim)
+        self.keys[block, :, :kept] = self.keys.view(-1, self.head_dim).index_select(0, rows).view(shape)
+        self.values[block, :, :kept] = self.values.view(-1, self.head_dim).index_select(0, rows).view(shape)
+        self.columns[block, :, :kept] = self.columns[block, :, :length].gather(2, slot_index)
+        self.real[block, :, :kept] = self.real[block, :, :length].gather(2, slot_index)
+        if count == self.batch:
+            self._set_lengths(None, kept)
+        else:
+            self.real[block, :, kept:] = False  # slots past a row's length stay unreal
+            lengths = self._lengths_array()
+            lengths[block] = kept
+            self._set_lengths(lengths)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows `rows` (the others finished): their buffers shrink with them."""
+    def row_length(self, row: int) -> int:
+        """Slots that row `row` holds."""
+        return self.length if self.row_lengths is None else int(self.row_lengths[row])
+
+    def select_rows(self, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> None:
+        """Keep only the batch rows `rows` (the others finished): their buffers shrink with them.
+        `host_rows`: the same indices on the host, needed while rows hold different lengths."""
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         self.columns, self.real = self.columns.index_select(0, rows), self.real.index_select(0, rows)
         self.batch = len(rows)
+        if self.row_lengths is not None:
+            self._set_lengths(self.row_lengths[host_rows])
+
+    def append_rows(self, other: BufferLayer) -> None:
+        """Add the rows of `other` (a cache of newly prefilled rows, one length for all) after this one's."""
+        lengths = np.concatenate([self._lengths_array(), other._lengths_array()])
+        self.real[:, :, self.length:] = False  # a compression leaves moved-from slots past the length
+        capacity = max(self.capacity, other.capacity)
+        self.keys, self.values, self.columns, self.real = (
+            torch.cat([_grow(mine, capacity - mine.shape[2], 2), _grow(theirs, capacity - theirs.shape[2], 2)])
+            for mine, theirs in ((self.keys, other.keys), (self.values, other.values),
+                                 (self.columns, other.columns), (self.real, other.real)))
+        self.batch += other.batch
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        self._set_lengths(lengths)
+
+    def _lengths_array(self) -> np.ndarray:
+        return self.row_lengths.copy() if self.row_lengths is not None else np.full(self.batch, self.length)
+
+    def _set_lengths(self, lengths: np.ndarray | None, uniform: int = 0) -> None:
+        """Per-row lengths, or one length for all (`uniform`) when they agree: the plain code then runs."""
+        if lengths is not None and (lengths == lengths[:1]).all():
+            lengths, uniform = None, int(lengths[0]) if len(lengths) else 0
+        if lengths is None:
+            self.row_lengths, self._row_lengths_device, self.length = None, None, uniform
+        else:
+            self.row_lengths = lengths
+            self._row_lengths_device = torch.tensor(lengths, dtype=torch.long, device=self.device)  # a copy: both grow
+            self.length = int(lengths.max())
 
     def gather_pages(self, pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[N, Hkv, k·page_size, D]` of the pages `pages [N, k]` (slots
@@ -140,10 +215,12 @@ class BufferLayer(CacheLayerMixin):
         return (self.keys.view(-1, width).index_select(0, rows).view(shape),
                 self.values.view(-1, width).index_select(0, rows).view(shape))
 
-    def _flat_rows(self, index: torch.Tensor, per_head: int) -> torch.Tensor:
-        """Rows of the flattened `[N·Hkv·per_head, ...]` buffers for `index [N, Hkv, k]`: index_select
-        there is twice as fast on a CPU as a gather with an index expanded over D."""
-        offsets = torch.arange(self.batch * self.kv_heads, device=self.device).view(self.batch, self.kv_heads, 1)
+    def _flat_rows(self, index: torch.Tensor, per_head: int, first_row: int = 0) -> torch.Tensor:
+        """Rows of the flattened `[N·Hkv·per_head, ...]` buffers for `index [n, Hkv, k]` of batch rows
+        `first_row`...: index_select there is twice as fast on a CPU as a gather with an index expanded over D."""
+        count = index.shape[0]
+        offsets = torch.arange(first_row * self.kv_heads, (first_row + count) * self.kv_heads,
+                               device=self.device).view(count, self.kv_heads, 1)
         return (index + offsets * per_head).reshape(-1)
 
 
@@ -177,7 +254,7 @@ class KVStats:
     # real keys (1.0 for dense and eviction rollouts, which attend to all they hold).
     attended_frac: float = 1.0
     rows_in_flight: int = 0  # the most rows decoding at once (the scheduler's S; 0: not scheduled)
-    waves: int = 1  # batches of at most S rows run one after the other
+    waves: int = 1  # groups of rows that started together: cohorts joining freed rows, or waves run in turn
 
 
 class BufferCache(Cache):
@@ -185,6 +262,11 @@ class BufferCache(Cache):
 
     def __init__(self, layers: list[BufferLayer]):
         super().__init__(layers=layers)
+
+    def append_rows(self, other: BufferCache) -> None:
+        """Add the rows of `other` (newly prefilled, same layers) after this cache's."""
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.append_rows(theirs)
 
     def set_incoming(self, columns: torch.Tensor, real: torch.Tensor) -> None:
         """Columns `[N, Q]` and realness `[N, Q]` of the tokens the next forward will append."""

@@ -6,13 +6,14 @@ compressed capacity (max(prompt, budget) + one interval, the schedule's largest 
 is a schedule) for a sparse one, the whole cache for block-sparse attention. A compressed sampler
 therefore runs proportionally more rows in the same bytes. `--max-concurrent-rows` caps S directly.
 
-The requests are taken S at a time (a wave); inside a wave a row that ends leaves the batch, so it
-stops costing compute, and the next wave starts when the wave's last row ends. Slots are not
-refilled mid-wave (what a continuous-batching server such as vLLM adds on top).
+At most S rows decode at once: a row that ends leaves the batch, so it stops costing compute, and
+waiting requests are prefilled into the rows freed (continuous batching, as vLLM does; the engine's
+`DecodeLoop`). Block-sparse and static-batch engines, which keep every row to the end, take the
+requests S at a time instead (waves), the next wave starting when the last row of one ends.
 
-Every row samples from its own seed, and every wave pads its prompts to the same width, so a row's
-tokens do not depend on S, on which rows share its wave, or on how a step is sharded: what changes
-with S is float rounding in batched matrix products (nothing in float64).
+Every row samples from its own seed, and every request is padded to the same prompt width, so a
+row's tokens do not depend on S, on which rows share the batch with it, or on how a step is sharded:
+what changes with S is float rounding in batched matrix products (nothing in float64).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def schedule_rollouts(engine: RolloutEngine, prompts: list[list[int]], sampling:
     width = max(sampling.prompt_width or 0, max(len(p) for p in prompts))
     sampling = dataclasses.replace(sampling, prompt_width=width)
     rows = rows_in_flight(engine, sampling, width, len(prompts))
+    if engine.refills_rows:
+        batch = engine.generate(prompts, sampling, seeds=seeds, on_step=on_step, max_rows=rows)
+        batch.kv.rows_in_flight = rows
+        return batch
     waves = [engine.generate(prompts[start:start + rows], sampling, seeds=seeds[start:start + rows], on_step=on_step)
              for start in range(0, len(prompts), rows)]
     merged = merge_waves(waves, sampling.pad_token_id)
