@@ -13,9 +13,14 @@ temperature 1, EOS on (responses end at 18-84 tokens, as RL responses vary), 8 p
   requests; dense decodes what fits (64) at a time, waiting requests joining as rows end, R-KV at
   B = 56 fits more; and dense in waves of 64 (each wave waiting for its longest row: the scheduler
   before requests could join mid-flight).
-Part 2, long responses (random built-in architecture with 8192 positions, 64-token prompts, EOS off,
+Part 2, long-tailed lengths (as reasoning responses: most short, a few very long): the random built-in
+architecture, whose near-uniform next token ends a response with EOS about once in 97 tokens
+(geometric lengths, a few up to 5x the mean), 256 requests of 64-token prompts, up to 1024 new
+tokens, at the KV memory 32 dense rows reach: dense with requests joining freed rows against dense
+in waves of 32, and R-KV at B = 256 (window 8, interval 32) in the same bytes.
+Part 3, long responses (random built-in architecture with 8192 positions, 64-token prompts, EOS off,
 L = 4096): dense against R-KV at B = L/4 (window 8, interval L/32) at the KV memory 8 dense rows reach,
-32 requests. Skipped by --quick.
+32 requests. Skipped by --quick (about 8 minutes).
 
 Every row reports rows in flight (S), cohorts (groups of requests that started together), peak KV measured from the buffers (never above the budget),
 the tokens generated, seconds (median of --repeats interleaved runs after one warm-up) and tokens/s.
@@ -45,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
-    p.add_argument("--quick", action="store_true", help="part 1 only")
+    p.add_argument("--quick", action="store_true", help="parts 1 and 2 only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -120,6 +125,25 @@ def part_one(args) -> dict[str, dict]:
     return results
 
 
+def part_tails(args) -> dict[str, dict]:
+    prompt, new_tokens, eos = 64, 1024, 2
+    torch.manual_seed(args.seed)
+    model = type(load_policy(None)[0])(builtin_model_config(97, max_position_embeddings=2048)).eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, 97, (prompt,), generator=generator).tolist() for _ in range(256)]
+    sampling = SamplingConfig(new_tokens, 1.0, eos, 0, prompt_width=prompt)
+    dense = RolloutEngine(model, record_evictions=False)
+    sparse = RolloutEngine(model, KVCompression("rkv", budget=256, window=8, interval=32), record_evictions=False)
+    budget = 32 * dense.row_bytes(prompt, new_tokens)
+    limited = SamplingConfig(**{**sampling.__dict__, "kv_memory_bytes": budget})
+    results = measure({"dense, long tails, joining": (dense, prompts, limited),
+                       "dense, long tails, in waves": (dense, prompts, limited, True),
+                       "rkv B=256, long tails, equal KV": (sparse, prompts, limited)}, args.repeats, args.seed)
+    for name in results:
+        results[name]["kv_budget_mib"] = budget / 2**20
+    return results
+
+
 def part_two(args) -> dict[str, dict]:
     length, prompt = 4096, 64
     torch.manual_seed(args.seed)
@@ -161,6 +185,10 @@ def ratios(results: dict[str, dict]) -> list[str]:
            f"{results['rkv B=56, 16x8, equal KV']['tokens_per_s'] / results['dense, 16x8, equal KV']['tokens_per_s']:.2f}x",
            f"requests joining vs waves (dense, 16x8, equal KV): "
            f"{results['dense, 16x8, equal KV, in waves']['seconds'] / results['dense, 16x8, equal KV']['seconds']:.2f}x faster"]
+    joining, waves = results["dense, long tails, joining"], results["dense, long tails, in waves"]
+    out.append(f"long tails, requests joining vs waves (dense): {waves['seconds'] / joining['seconds']:.2f}x faster")
+    out.append(f"long tails, equal KV memory, rkv B=256 / dense (joining) tokens/s: "
+               f"{results['rkv B=256, long tails, equal KV']['tokens_per_s'] / joining['tokens_per_s']:.2f}x")
     if "rkv B=L/4, L=4096, equal KV" in results:
         out.append(f"equal KV memory, L=4096, rkv / dense tokens/s: "
                    f"{results['rkv B=L/4, L=4096, equal KV']['tokens_per_s'] / results['dense, L=4096, equal KV']['tokens_per_s']:.2f}x")
@@ -174,7 +202,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, contention probe {contention_probe(args.threads):.3f} ms")
-    results = part_one(args)
+    results = {**part_one(args), **part_tails(args)}
     if not args.quick:
         results.update(part_two(args))
     print(f"contention probe at end {contention_probe(args.threads):.3f} ms\n")
