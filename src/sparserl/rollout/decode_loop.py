@@ -198,6 +198,8 @@ class DecodeLoop:
         self.token = self.fed_real = self.still = None
 
     def run(self) -> DecodeLoop:
+        if self.steps == 0:
+            return self
         logits = self._admit(min(self.max_rows, self.requests), start=0)
         with masked_attention(self.model, self.provider):
             step = 0
@@ -300,14 +302,17 @@ class DecodeLoop:
                                          and ended >= max(1, len(self.rows) // 8))
                 if not leave:
                     return
-            staying = still.nonzero().squeeze(1).cpu().numpy()
+            index = still.nonzero().squeeze(1)
+            return self._keep_rows(index.cpu().numpy(), index)
         self._keep_rows(staying)
 
-    def _keep_rows(self, staying: np.ndarray) -> None:
+    def _keep_rows(self, staying: np.ndarray, index: torch.Tensor | None = None) -> None:
+        """Keep the batch rows `staying` (sorted; `index`: the same on the device, if at hand)."""
         self.held[self.rows] = held_tokens(self.cache, self.fed_tokens[self.rows])
         if len(staying) == len(self.rows):
             return
-        index = torch.as_tensor(staying, dtype=torch.long, device=self.device)
+        if index is None:
+            index = torch.as_tensor(staying, dtype=torch.long, device=self.device)
         self.rows, self.row_start = self.rows[index], self.row_start[index]
         self.token, self.fed_real, self.still = self.token[index], self.fed_real[index], self.still[index]
         for layer in self.cache.layers:
@@ -315,10 +320,11 @@ class DecodeLoop:
         self.provider.select_rows(index)
         cohorts = []
         for first, cohort in zip(self._firsts(), self.cohorts):
-            mine = staying[(staying >= first) & (staying < first + cohort.size)] - first
-            if len(mine) and cohort.policy is not None and len(mine) < cohort.size:
-                cohort.policy.select_rows(torch.as_tensor(mine, dtype=torch.long, device=self.device))
-            cohort.size = len(mine)
+            # `staying` is sorted and a cohort is a block of rows: its rows that stay are a run of it.
+            begin, end = np.searchsorted(staying, [first, first + cohort.size])
+            if begin < end < begin + cohort.size and cohort.policy is not None:
+                cohort.policy.select_rows(index[begin:end] - first)  # on the device already: no upload
+            cohort.size = int(end - begin)
             if cohort.size:
                 cohorts.append(cohort)
         self.cohorts = cohorts

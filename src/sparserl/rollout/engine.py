@@ -189,7 +189,7 @@ class RolloutEngine:
                           record_distributions=self.record_distributions and vocabulary <= FULL_DISTRIBUTION_VOCAB,
                           on_step=on_step).run()
         stats = loop.stats
-        peaks = loop.cache.peak_bytes()
+        peaks = loop.cache.peak_bytes() if loop.cache is not None else {}  # None: no token asked for
         stats.kv_peak_bytes_by_layer_type = peaks
         stats.kv_peak_bytes = sum(peaks.values())
         span = int(loop.lengths.max())

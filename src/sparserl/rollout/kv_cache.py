@@ -14,8 +14,9 @@ they are never compressed.
 
 Rows that joined the batch at different times (the engine refills freed rows, `decode_loop.py`)
 hold different numbers of slots: the layer then keeps a length per row, writes each row's new
-tokens after its own slots, and keeps every slot past a row's length unreal, so the mask hides it.
-With one length for all rows (the usual case) the layer runs the plain code, slot for slot.
+tokens after its own slots, and, while lengths differ, keeps every slot past a row's length unreal,
+so the mask hides it. With one length for all rows (the usual case) the layer runs the plain code,
+slot for slot, and reads nothing past the length.
 """
 
 from __future__ import annotations
@@ -157,12 +158,13 @@ class BufferLayer(CacheLayerMixin):
         self.columns[block, :, :kept] = self.columns[block, :, :length].gather(2, slot_index)
         self.real[block, :, :kept] = self.real[block, :, :length].gather(2, slot_index)
         if count == self.batch:
-            self._set_lengths(None, kept)
+            self._set_lengths(None, None, kept)
         else:
             self.real[block, :, kept:] = False  # slots past a row's length stay unreal
-            lengths = self._lengths_array()
+            lengths, device_lengths = self._lengths()
             lengths[block] = kept
-            self._set_lengths(lengths)
+            device_lengths[block] = kept
+            self._set_lengths(lengths, device_lengths)
 
     def row_length(self, row: int) -> int:
         """Slots that row `row` holds."""
@@ -175,11 +177,12 @@ class BufferLayer(CacheLayerMixin):
         self.columns, self.real = self.columns.index_select(0, rows), self.real.index_select(0, rows)
         self.batch = len(rows)
         if self.row_lengths is not None:
-            self._set_lengths(self.row_lengths[host_rows])
+            self._set_lengths(self.row_lengths[host_rows], self._row_lengths_device.index_select(0, rows))
 
     def append_rows(self, other: BufferLayer) -> None:
         """Add the rows of `other` (a cache of newly prefilled rows, one length for all) after this one's."""
-        lengths = np.concatenate([self._lengths_array(), other._lengths_array()])
+        (mine, mine_device), (theirs, theirs_device) = self._lengths(), other._lengths()
+        lengths, device_lengths = np.concatenate([mine, theirs]), torch.cat([mine_device, theirs_device])
         self.real[:, :, self.length:] = False  # a compression leaves moved-from slots past the length
         capacity = max(self.capacity, other.capacity)
         self.keys, self.values, self.columns, self.real = (
@@ -188,21 +191,23 @@ class BufferLayer(CacheLayerMixin):
                                  (self.columns, other.columns), (self.real, other.real)))
         self.batch += other.batch
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
-        self._set_lengths(lengths)
+        self._set_lengths(lengths, device_lengths)
 
-    def _lengths_array(self) -> np.ndarray:
-        return self.row_lengths.copy() if self.row_lengths is not None else np.full(self.batch, self.length)
+    def _lengths(self) -> tuple[np.ndarray, torch.Tensor]:
+        """Per-row lengths `[N]`, on the host and on the device (copies, made on the device without an
+        upload: a host-to-device copy would wait for the GPU's queue)."""
+        if self.row_lengths is not None:
+            return self.row_lengths.copy(), self._row_lengths_device.clone()
+        return (np.full(self.batch, self.length),
+                torch.full((self.batch,), self.length, dtype=torch.long, device=self.device))
 
-    def _set_lengths(self, lengths: np.ndarray | None, uniform: int = 0) -> None:
-        """Per-row lengths, or one length for all (`uniform`) when they agree: the plain code then runs."""
+    def _set_lengths(self, lengths: np.ndarray | None, device_lengths: torch.Tensor | None, uniform: int = 0) -> None:
+        """Per-row lengths (host and device copies of the same values), or one length for all (`uniform`)
+        when they agree: the plain code then runs."""
         if lengths is not None and (lengths == lengths[:1]).all():
-            lengths, uniform = None, int(lengths[0]) if len(lengths) else 0
-        if lengths is None:
-            self.row_lengths, self._row_lengths_device, self.length = None, None, uniform
-        else:
-            self.row_lengths = lengths
-            self._row_lengths_device = torch.tensor(lengths, dtype=torch.long, device=self.device)  # a copy: both grow
-            self.length = int(lengths.max())
+            lengths, device_lengths, uniform = None, None, int(lengths[0]) if len(lengths) else 0
+        self.row_lengths, self._row_lengths_device = lengths, device_lengths
+        self.length = uniform if lengths is None else int(lengths.max())
 
     def gather_pages(self, pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[N, Hkv, k·page_size, D]` of the pages `pages [N, k]` (slots

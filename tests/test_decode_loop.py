@@ -1,0 +1,315 @@
+"""The continuous-batching decode loop (`rollout/decode_loop.py`), checked from outside: a request samples the
+same tokens whatever `max_rows` and whichever rows share the batch (float64), the cache keeps its per-row
+invariants at every step, rows that joined mid-flight replay exactly, and the measured peak stays within S rows'
+reservation. Every check runs the tiny models the tests build themselves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_tiny_model, replay_logprobs
+
+from sparserl.rollout import decode_loop, kv_policies
+from sparserl.rollout.block_sparse import BlockSparsity
+from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.kv_policies import POLICIES
+from sparserl.rollout.schedule import BinnedBudget
+from sparserl.rollout.scheduler import schedule_rollouts
+
+WIDTH = 10  # every prompt is padded to it, so a request's columns do not depend on the batch
+
+
+def _eos_biased(model, eos: int, bias: float = 2.0):
+    weights = torch.zeros(model.lm_head.out_features, dtype=torch.float64)
+    weights[eos] = bias
+    model.lm_head.bias = torch.nn.Parameter(weights)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    """Two layers in float64, biased towards EOS so that rows end at many lengths."""
+    model, tokenizer = make_tiny_model(seed=5)
+    return _eos_biased(model.double(), tokenizer.eos_token_id), tokenizer
+
+
+@pytest.fixture(scope="module")
+def deep64():
+    """Four layers (PyramidKV's budgets then differ from layer to layer)."""
+    model, tokenizer = make_tiny_model(seed=7, num_hidden_layers=4)
+    return _eos_biased(model.double(), tokenizer.eos_token_id), tokenizer
+
+
+def _prompts(count: int = 7, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 40) for _ in range(rng.randrange(2, WIDTH))] for _ in range(count)]
+
+
+def _sampling(tokenizer, new: int = 24, eos: bool = True, temperature: float = 1.0) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=new, temperature=temperature,
+                          eos_token_id=tokenizer.eos_token_id if eos else None,
+                          pad_token_id=tokenizer.pad_token_id, prompt_width=WIDTH)
+
+
+def _seeds(count: int) -> list[int]:
+    return [1000 + 7 * i for i in range(count)]
+
+
+def _compression(name: str, per_head: bool = False, **settings) -> KVCompression:
+    return KVCompression(name, **{"budget": 9, "window": 3, "interval": 3, "per_head": per_head, **settings})
+
+
+def _same_samples(a, b, distributions: bool = False) -> None:
+    assert torch.equal(a.response_lengths, b.response_lengths)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.ended, b.ended)
+    assert (a.sampler_logprobs - b.sampler_logprobs).abs().max() <= 1e-6
+    if distributions:
+        mask = a.response_mask.bool()
+        assert (a.sampler_distribution - b.sampler_distribution).abs()[mask].max() <= 1e-6
+
+
+def _replays(model, batch) -> None:
+    mask = batch.response_mask.bool()
+    assert (replay_logprobs(model, batch).detach() - batch.sampler_logprobs).abs()[mask].max() <= 1e-6
+
+
+# --- each request alone vs in a mixed batch -----------------------------------------------------------------
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_request_samples_the_same_alone_and_with_any_rows_in_flight(tiny64, policy, per_head):
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, _compression(policy, per_head), record_evictions=True)
+    prompts, sampling = _prompts(), _sampling(tokenizer)
+    seeds = _seeds(len(prompts))
+    whole = engine.generate(prompts, sampling, seeds=seeds)
+    assert whole.kv.compressions > 0 and len(set(whole.response_lengths.tolist())) >= 3
+    for rows in (1, 3):
+        joined = engine.generate(prompts, sampling, seeds=seeds, max_rows=rows)
+        _same_samples(joined, whole)
+        assert joined.kv.waves > 1  # requests joined as rows left
+        _replays(model, joined)  # the records of requests that joined mid-flight replay exactly
+    for request in (0, len(prompts) - 1):  # the first and the last to join
+        alone = engine.generate(prompts[request:request + 1], sampling, seeds=seeds[request:request + 1])
+        length = int(alone.response_lengths[0])
+        assert length == int(whole.response_lengths[request])
+        assert torch.equal(alone.response_ids[0, :length], whole.response_ids[request, :length])
+        assert (alone.sampler_logprobs[0, :length] - whole.sampler_logprobs[request, :length]).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("compression", [
+    _compression("pyramidkv", per_head=True, budget=14, interval=2),
+    _compression("h2o", per_head=True, budget=7, interval=2),
+    _compression("rkv", budget=7, schedule=BinnedBudget(6, (6, 9, 13, 16))),
+    _compression("snapkv", per_head=True, budget=7, schedule=BinnedBudget(5, (5, 8, 12))),
+], ids=["pyramidkv-per-head", "h2o-per-head", "rkv-binned", "snapkv-binned-per-head"])
+def test_layer_budgets_and_schedules_with_joins(deep64, compression):
+    """Four layers: PyramidKV's per-layer budgets (different lengths per layer), H2O's mass per layer, and
+    budgets that grow with the cached length, while cohorts join at different columns."""
+    model, tokenizer = deep64
+    engine = RolloutEngine(model, compression, record_evictions=True, record_distributions=True)
+    prompts, sampling = _prompts(), _sampling(tokenizer)
+    seeds = _seeds(len(prompts))
+    whole = engine.generate(prompts, sampling, seeds=seeds)
+    assert whole.kv.compressions > 0
+    joined = engine.generate(prompts, sampling, seeds=seeds, max_rows=2)
+    _same_samples(joined, whole, distributions=True)
+    _replays(model, joined)
+
+
+def _tiny_hybrid():
+    """A Gemma-3 style model: sliding-window layers beside full-attention ones."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=5,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                           "full_attention"], max_position_embeddings=256, pad_token_id=0)
+    return Gemma3ForCausalLM(config).eval().double()
+
+
+@pytest.mark.parametrize("sparsity", [None, _compression("h2o"), _compression("snapkv", per_head=True)],
+                         ids=["dense", "h2o", "snapkv-per-head"])
+def test_sliding_window_layers_with_joins(sparsity):
+    model = _tiny_hybrid()
+    eos = 3
+    weights = torch.zeros(97, dtype=torch.float64)
+    weights[eos] = 3.0
+    model.lm_head.bias = torch.nn.Parameter(weights)
+    prompts = [[p % 90 + 5 for p in prompt] for prompt in _prompts(6, seed=3)]
+    sampling = SamplingConfig(max_new_tokens=20, temperature=1.0, eos_token_id=eos, pad_token_id=0,
+                              prompt_width=WIDTH)
+    engine = RolloutEngine(model, sparsity, record_evictions=True)
+    seeds = _seeds(len(prompts))
+    whole = engine.generate(prompts, sampling, seeds=seeds)
+    assert len(set(whole.response_lengths.tolist())) >= 2
+    joined = engine.generate(prompts, sampling, seeds=seeds, max_rows=2)
+    _same_samples(joined, whole)
+    assert joined.kv.kv_peak_bytes_by_layer_type["sliding_attention"] > 0
+    if sparsity is not None:
+        assert {e.layer for e in joined.evictions} <= {1, 3} and joined.kv.compressions > 0
+    _replays(model, joined)
+
+
+# --- the cache's invariants, read at every step --------------------------------------------------------------
+
+def _check_state(loop: decode_loop.DecodeLoop, problems: list[str]) -> None:
+    rows = len(loop.rows)
+    assert sum(cohort.size for cohort in loop.cohorts) == rows == len(loop.row_start)
+    firsts = loop._firsts()
+    for index, layer in enumerate(loop.cache.layers):
+        assert layer.batch == rows == layer.keys.shape[0] == layer.real.shape[0]
+        lengths = [layer.length] * rows if layer.row_lengths is None else [int(n) for n in layer.row_lengths]
+        if rows:
+            assert max(lengths) == layer.length
+        if layer.row_lengths is not None:
+            assert layer._row_lengths_device.tolist() == lengths
+            for row, length in enumerate(lengths):
+                if layer.real[row, :, length:].any():
+                    problems.append(f"layer {index} row {row}: a real slot past its length {length}")
+        for row, length in enumerate(lengths):
+            columns = layer.columns[row, :, :length]
+            if length > 1 and not bool((columns.diff(dim=-1) > 0).all()):
+                problems.append(f"layer {index} row {row}: columns out of order")
+        for first, cohort in zip(firsts, loop.cohorts):  # a cohort's rows hold one length
+            if len(set(lengths[first:first + cohort.size])) != 1:
+                problems.append(f"layer {index}: a cohort's rows hold different lengths")
+        mass = loop.provider.mass.get(index)
+        if mass is not None:
+            if tuple(mass.shape) != (rows, layer.kv_heads, layer.length):
+                problems.append(f"layer {index}: mass {tuple(mass.shape)} for {rows} rows of {layer.length} slots")
+            else:
+                for row, length in enumerate(lengths):
+                    if mass[row, :, length:].abs().sum() > 0:
+                        problems.append(f"layer {index} row {row}: attention mass past its length")
+        queries = loop.provider.queries.get(index)
+        if queries is not None and (queries.shape[0] != rows or queries.shape[2] != loop.provider.window_real.shape[1]):
+            problems.append(f"layer {index}: queries {tuple(queries.shape)} against the window's realness")
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """Checks the loop's state before every draw (after each prefill, join, compression and forward)."""
+    problems: list[str] = []
+    states: list[tuple[int, bool]] = []  # (rows, whether any layer held per-row lengths)
+    draw = decode_loop.DecodeLoop._draw
+
+    def checked(loop, logits, step):
+        _check_state(loop, problems)
+        states.append((len(loop.rows), any(layer.row_lengths is not None for layer in loop.cache.layers)))
+        return draw(loop, logits, step)
+
+    monkeypatch.setattr(decode_loop.DecodeLoop, "_draw", checked)
+    return problems, states
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_cache_keeps_its_invariants_at_every_step(tiny64, watched, policy, per_head):
+    problems, states = watched
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, _compression(policy, per_head))
+    batch = engine.generate(_prompts(), _sampling(tokenizer), seeds=_seeds(7), max_rows=3)
+    assert not problems, sorted(set(problems))[:5]
+    assert max(rows for rows, _ in states) <= 3
+    assert any(differ for _, differ in states)  # rows of different lengths were exercised
+    assert batch.kv.kv_peak_bytes <= 3 * engine.row_bytes(WIDTH, 24)
+
+
+def test_all_rows_at_once_never_holds_per_row_lengths(tiny64, watched):
+    """With max_rows >= every request, one cohort: the cache runs the plain one-length code throughout."""
+    problems, states = watched
+    model, tokenizer = tiny64
+    for sparsity in (None, _compression("rkv"), _compression("h2o", per_head=True)):
+        RolloutEngine(model, sparsity).generate(_prompts(), _sampling(tokenizer), seeds=_seeds(7), max_rows=99)
+    assert not problems and states and not any(differ for _, differ in states)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("sparsity", ["dense", "rkv"])
+def test_the_measured_peak_stays_within_the_rows_reservation(tiny64, sparsity, rows):
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, None if sparsity == "dense" else _compression(sparsity))
+    sampling = _sampling(tokenizer, eos=False, new=12)
+    batch = engine.generate(_prompts(), sampling, seeds=_seeds(7), max_rows=rows)
+    assert batch.kv.kv_peak_bytes <= rows * engine.row_bytes(WIDTH, 12)
+
+
+# --- edge cases ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["one-token", "one-row", "no-eos", "greedy", "distributions"])
+def test_edge_cases_sample_as_all_at_once(tiny64, case):
+    model, tokenizer = tiny64
+    sampling, rows, record = _sampling(tokenizer), 3, False
+    if case == "one-token":
+        sampling = _sampling(tokenizer, new=1)
+    elif case == "one-row":
+        rows = 1
+    elif case == "no-eos":
+        sampling = _sampling(tokenizer, eos=False, new=14)
+    elif case == "greedy":
+        model = make_tiny_model(seed=5)[0].double()  # no EOS bias: greedy would end every row at once
+        sampling = _sampling(tokenizer, temperature=0.0, new=14)
+    else:
+        record = True
+    compression = _compression("rkv", budget=6, window=2, interval=2)
+    engine = RolloutEngine(model, compression, record_evictions=True, record_distributions=record)
+    prompts = _prompts()
+    whole = engine.generate(prompts, sampling, seeds=_seeds(7))
+    joined = engine.generate(prompts, sampling, seeds=_seeds(7), max_rows=rows)
+    _same_samples(joined, whole, distributions=record)
+    if sampling.temperature in (0.0, 1.0):  # the replay's log-probs are the plain softmax
+        _replays(model, joined)
+    if case == "one-token":
+        assert joined.response_ids.shape[1] == 1 and joined.kv.compressions == 0
+
+
+def test_sampling_from_one_generator_with_joins(tiny64):
+    """Without seeds the rows share a generator (their tokens then depend on the batch); the loop still
+    produces well-formed responses that the replay reproduces."""
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, _compression("snapkv"), record_evictions=True)
+    batch = engine.generate(_prompts(), _sampling(tokenizer), generator=torch.Generator().manual_seed(0), max_rows=3)
+    lengths = batch.response_lengths
+    assert (lengths >= 1).all() and batch.kv.waves > 1
+    assert (batch.sampler_logprobs[batch.response_mask.bool()] <= 0).all()
+    assert (batch.sampler_logprobs[~batch.response_mask.bool()] == 0).all()
+    ended = batch.ended.nonzero().flatten().tolist()
+    assert all(int(batch.response_ids[row, int(lengths[row]) - 1]) == tokenizer.eos_token_id for row in ended)
+    _replays(model, batch)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_path_without_host_reads_samples_the_same_with_joins(tiny64, policy, monkeypatch):
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, _compression(policy, per_head=policy in ("h2o", "snapkv")), record_evictions=True)
+    cpu = engine.generate(_prompts(), _sampling(tokenizer), seeds=_seeds(7), max_rows=3)
+    monkeypatch.setattr(kv_policies, "host_reads_are_cheap", lambda tensor: False)
+    gpu = engine.generate(_prompts(), _sampling(tokenizer), seeds=_seeds(7), max_rows=3)
+    assert torch.equal(cpu.response_ids, gpu.response_ids)
+    assert torch.equal(cpu.sampler_logprobs, gpu.sampler_logprobs)
+    assert [(e.first_column, e.layer) for e in cpu.evictions] == [(e.first_column, e.layer) for e in gpu.evictions]
+    assert all(torch.equal(a.kept_columns, b.kept_columns) for a, b in zip(cpu.evictions, gpu.evictions))
+
+
+def test_block_sparse_runs_in_waves(tiny64):
+    model, tokenizer = tiny64
+    engine = RolloutEngine(model, BlockSparsity(budget=8, page_size=4, dense_layers=1), record_evictions=True)
+    assert not engine.refills_rows
+    prompts, sampling = _prompts(), _sampling(tokenizer)
+    with pytest.raises(ValueError, match="waves"):
+        engine.generate(prompts, sampling, seeds=_seeds(7), max_rows=3)
+    whole = engine.generate(prompts, sampling, seeds=_seeds(7))
+    waves = schedule_rollouts(engine, prompts, SamplingConfig(**{**sampling.__dict__, "max_rows": 3}), _seeds(7))
+    _same_samples(waves, whole)
+    assert waves.kv.waves == 3
+
+
+def test_no_new_tokens_gives_empty_responses(tiny64):
+    model, tokenizer = tiny64
+    batch = RolloutEngine(model).generate(_prompts(3), _sampling(tokenizer, new=0), seeds=_seeds(3))
+    assert batch.response_ids.shape == (3, 0)
