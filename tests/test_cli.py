@@ -220,7 +220,7 @@ def test_eval_sparse(tiny_model_dir, tmp_path):
     assert 0 < kv["kv_peak_bytes"] <= kv["kv_dense_bytes"]
     # Sequences of up to 30 tokens with a budget of 8 (+ interval 2) must evict something.
     assert kv["kv_peak_bytes"] < kv["kv_dense_bytes"]
-    assert kv["evicted_tokens_mean"] > 0
+    assert kv["kv_evicted_tokens_mean"] > 0
 
 
 def test_eval_top_level_has_pass_at_k_and_kv(tiny_model_dir, tmp_path):

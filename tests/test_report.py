@@ -9,7 +9,7 @@ import pytest
 
 from sparserl.report.common import cell
 from sparserl.report.plots import PLOTS
-from sparserl.report.tables import classify_trajectory, paper_table, write_report
+from sparserl.report.tables import classify_trajectory, paper_table, read_final_eval, write_report
 
 MIB = 1024 ** 2
 
@@ -272,3 +272,12 @@ def test_the_veto_by_length_table_labels_each_bucket_by_its_lengths(tmp_path):
     assert "| Mode | len 0–15 | len ≥ 16 |" in table
     # sparse-rl flags 0.2 and 0.3 of all sequences per seed, twice that in the long bucket: 0.4 and 0.6.
     assert _rows(table)["sparse-rl"] == ["0.000 (0.000–0.000)", "0.500 (0.400–0.600)"]
+
+
+@pytest.mark.parametrize("name", ["kv_kept_frac", "kept_token_frac"])
+def test_final_eval_kv_figures_are_read_under_the_name_of_any_version(tmp_path, name):
+    """final_eval.json files written before the KV figures took one set of names call the kept share
+    `kept_token_frac`; both read the same."""
+    path = tmp_path / "final_eval.json"
+    path.write_text(json.dumps({"dense": {"accuracy": 0.5}, "sparse": {"accuracy": 0.4, "kv": {name: 0.75}}}))
+    assert read_final_eval(path)["kv_kept"] == 0.75

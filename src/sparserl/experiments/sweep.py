@@ -82,9 +82,9 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
         kv = sparse["kv"]
         rows.append({"budget": budget, "accuracy_sparse": sparse["accuracy"],
                      "walk_exact_sparse": sparse.get("walk_exact"), "gap": dense["accuracy"] - sparse["accuracy"],
-                     "kv_peak_frac": kv["kv_peak_frac"], "kept_token_frac": kv["kept_token_frac"],
-                     "attended_frac": kv["attended_frac"],
-                     "saved_frac": 1 - (kv["attended_frac"] if kv["sparsity"] == "block" else kv["kv_peak_frac"]),
+                     "kv_peak_frac": kv["kv_peak_frac"], "kv_kept_frac": kv["kv_kept_frac"],
+                     "kv_attended_frac": kv["kv_attended_frac"],
+                     "saved_frac": 1 - (kv["kv_attended_frac"] if kv["sparsity"] == "block" else kv["kv_peak_frac"]),
                      "sampled_accuracy_sparse": sum(h >= 1.0 for h in hits) / max(len(hits), 1), **mismatch})
     settings = {key: value for key, value in kv.items() if key in ("sparsity", "policy", "window", "interval",
                                                                    "page_size", "dense_layers")}
@@ -114,7 +114,7 @@ def sweep_table(result: dict) -> str:
     for r in result["rows"]:
         mark = {result["paper_regime_budget"]: "paper", result["stress_regime_budget"]: "stress"}.get(r["budget"], "")
         exact = "—" if r["walk_exact_sparse"] is None else f"{100 * r['walk_exact_sparse']:.1f}%"
-        figures = f"{r['attended_frac']:.2f}" if block else f"{r['kv_peak_frac']:.2f} | {r['kept_token_frac']:.2f}"
+        figures = f"{r['kv_attended_frac']:.2f}" if block else f"{r['kv_peak_frac']:.2f} | {r['kv_kept_frac']:.2f}"
         lines.append(f"| {r['budget']} | {100 * r['accuracy_sparse']:.1f}% | {exact} | {100 * r['gap']:+.1f} "
                      f"| {r['veto_frac']:.3f} | {r['band_frac']:.3f} | {r['xi_q01']:.2g} | {figures} | {mark} |")
     d = result["dense"]

@@ -48,9 +48,12 @@ MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean
                  ("walk_exact", "mean"))
 # A DistillSparse run's mode label: the preset alone would not tell it from the same mode without.
 # The numbers the report takes from final_eval.json: summary key -> where they are in the file.
-FINAL_EVAL_FIELDS = {"acc_dense": ("dense", "accuracy"), "exact_dense": ("dense", "walk_exact"),
-                     "acc_sparse": ("sparse", "accuracy"), "exact_sparse": ("sparse", "walk_exact"),
-                     "kv_kept": ("sparse", "kv", "kept_token_frac"), "rollout_total": ("rollout_seconds",)}
+# A field's later paths are the names files written by earlier versions use (`kept_token_frac`: before
+# the KV figures took one set of names, `KVStats.summary`).
+FINAL_EVAL_FIELDS = {"acc_dense": (("dense", "accuracy"),), "exact_dense": (("dense", "walk_exact"),),
+                     "acc_sparse": (("sparse", "accuracy"),), "exact_sparse": (("sparse", "walk_exact"),),
+                     "kv_kept": (("sparse", "kv", "kv_kept_frac"), ("sparse", "kv", "kept_token_frac")),
+                     "rollout_total": (("rollout_seconds",),)}
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -72,18 +75,23 @@ def read_final_eval(path: Path) -> dict[str, float | None]:
     naming the file and what is wrong when it cannot be read or a field is not a number."""
     data = _read_json_object(path)
     numbers = {}
-    for key, where in FINAL_EVAL_FIELDS.items():
-        value = data
-        for depth, name in enumerate(where):
-            if value is None:
-                break
-            if not isinstance(value, dict):
-                raise UserError(f"{path}: {'.'.join(where[:depth])} is {value!r}, not a JSON object")
-            value = value.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise UserError(f"{path}: {'.'.join(where)} is {value!r}, not a number")
-        numbers[key] = value
+    for key, paths in FINAL_EVAL_FIELDS.items():
+        numbers[key] = next((value for value in (_field(data, where, path) for where in paths) if value is not None),
+                            None)
     return numbers
+
+
+def _field(data: dict, where: tuple[str, ...], path: Path) -> float | None:
+    value = data
+    for depth, name in enumerate(where):
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise UserError(f"{path}: {'.'.join(where[:depth])} is {value!r}, not a JSON object")
+        value = value.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise UserError(f"{path}: {'.'.join(where)} is {value!r}, not a number")
+    return value
 
 
 def _mean(values: list[float]) -> float | None:

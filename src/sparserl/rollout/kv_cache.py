@@ -261,6 +261,39 @@ class KVStats:
     rows_in_flight: int = 0  # the most rows decoding at once (the scheduler's S; 0: not scheduled)
     waves: int = 1  # groups of rows that started together: cohorts joining freed rows, or waves run in turn
 
+    @classmethod
+    def merged(cls, stats: list[KVStats], rows: list[int]) -> KVStats:
+        """The figures of rollouts run one after the other (`rows[i]` rows in `stats[i]`): peaks are the
+        largest one's, counts add up, per-row figures are concatenated."""
+        total = max(sum(rows), 1)
+        return cls(
+            kv_peak_bytes=max(s.kv_peak_bytes for s in stats),
+            kv_dense_bytes=max(s.kv_dense_bytes for s in stats),
+            kv_peak_bytes_by_layer_type={k: max(s.kv_peak_bytes_by_layer_type.get(k, 0) for s in stats)
+                                         for k in stats[0].kv_peak_bytes_by_layer_type},
+            compressions=sum(s.compressions for s in stats),
+            compress_seconds=sum(s.compress_seconds for s in stats),
+            kept_tokens=torch.cat([s.kept_tokens for s in stats]),
+            evicted_tokens=torch.cat([s.evicted_tokens for s in stats]),
+            attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
+            rows_in_flight=max(s.rows_in_flight for s in stats),
+            waves=sum(s.waves for s in stats),
+        )
+
+    def summary(self, rollout_seconds: float) -> dict[str, float]:
+        """The figures under the names every report uses (training metrics, evaluation, sweeps)."""
+        kept, evicted = self.kept_tokens, self.evicted_tokens
+        return {
+            "kv_peak_bytes": self.kv_peak_bytes, "kv_dense_bytes": self.kv_dense_bytes,
+            "kv_peak_frac": self.kv_peak_bytes / max(self.kv_dense_bytes, 1),
+            "kv_kept_tokens_mean": float(kept.mean()), "kv_evicted_tokens_mean": float(evicted.mean()),
+            "kv_kept_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
+            "kv_compressions": self.compressions,
+            "kv_compress_time_frac": self.compress_seconds / max(rollout_seconds, 1e-9),
+            "kv_attended_frac": self.attended_frac,
+            "rows_in_flight": self.rows_in_flight, "rollout_waves": self.waves,
+        }
+
 
 class BufferCache(Cache):
     """The engine's cache: one `BufferLayer` per decoder layer."""

@@ -188,21 +188,12 @@ def move_to(value, device: torch.device):
 def rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor, rollouts: StepRollouts) -> dict[str, float]:
     """What a step's rollouts earned and cost. batch: the merged shards; rewards: [N]."""
     lengths = batch.response_lengths.float()
-    kv = batch.kv
     return {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "accuracy": float((rewards >= 1.0).float().mean()),
         "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
         "truncated_frac": float((~batch.ended).float().mean()),
-        "kv_peak_bytes": kv.kv_peak_bytes, "kv_dense_bytes": kv.kv_dense_bytes,
-        "kv_peak_frac": kv.kv_peak_bytes / max(kv.kv_dense_bytes, 1),
-        "kv_kept_tokens_mean": float(kv.kept_tokens.mean()),
-        "kv_evicted_tokens_mean": float(kv.evicted_tokens.mean()),
-        "kv_kept_frac": float(kv.kept_tokens.sum() / (kv.kept_tokens + kv.evicted_tokens).sum().clamp(min=1)),
-        "kv_compressions": kv.compressions,
-        "kv_compress_time_frac": kv.compress_seconds / max(batch.rollout_seconds, 1e-9),
-        "kv_attended_frac": kv.attended_frac,
-        "rows_in_flight": kv.rows_in_flight, "rollout_waves": kv.waves,
+        **batch.kv.summary(batch.rollout_seconds),
         "rollout_s": rollouts.wall_seconds,
         "tokens_per_s": float(batch.response_mask.sum()) / max(rollouts.wall_seconds, 1e-9),
         "rollout_retries": rollouts.retries, "rollout_timeouts": rollouts.timeouts, **rollouts.timings,

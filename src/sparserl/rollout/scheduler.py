@@ -115,7 +115,7 @@ def merge_waves(waves: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
         response_lengths=torch.cat([w.response_lengths for w in waves]),
         ended=torch.cat([w.ended for w in waves]),
         rollout_seconds=sum(w.rollout_seconds for w in waves),
-        kv=_merge_wave_stats([w.kv for w in waves], [len(w) for w in waves]),
+        kv=KVStats.merged([w.kv for w in waves], [len(w) for w in waves]),
         evictions=_merge_evictions(waves),
         sampler_distribution=right_pad(distributions, 0.0) if all(d is not None for d in distributions) else None,
         replayable=all(w.replayable for w in waves),
@@ -142,19 +142,3 @@ def _merge_blocks(records: list[BlockSelections | None]) -> BlockSelections | No
     first = records[0]
     return BlockSelections(first.page_size, first.first_column,
                            {layer: torch.cat([r.pages[layer] for r in records]) for layer in first.pages})
-
-
-def _merge_wave_stats(stats: list[KVStats], rows: list[int]) -> KVStats:
-    total = max(sum(rows), 1)
-    return KVStats(
-        kv_peak_bytes=max(s.kv_peak_bytes for s in stats),
-        kv_dense_bytes=max(s.kv_dense_bytes for s in stats),
-        kv_peak_bytes_by_layer_type={k: max(s.kv_peak_bytes_by_layer_type.get(k, 0) for s in stats)
-                                     for k in stats[0].kv_peak_bytes_by_layer_type},
-        compressions=sum(s.compressions for s in stats),
-        compress_seconds=sum(s.compress_seconds for s in stats),
-        kept_tokens=torch.cat([s.kept_tokens for s in stats]),
-        evicted_tokens=torch.cat([s.evicted_tokens for s in stats]),
-        attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
-        waves=sum(s.waves for s in stats),
-    )

@@ -15,6 +15,7 @@ from ..learner.alpha import rollout_alpha_metrics
 from ..rewards.runner import RewardRunner
 from ..rollout.block_sparse import BlockSparsity
 from ..rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
+from ..rollout.kv_cache import KVStats
 from ..rollout.scheduler import request_seed, schedule_rollouts
 from ..tasks.base import Example, Task, walk_metrics
 
@@ -129,14 +130,5 @@ def _sparsity_settings(compression: KVCompression | BlockSparsity) -> dict:
 
 
 def _kv_figures(batches: list[RolloutBatch]) -> dict:
-    kept = torch.cat([b.kv.kept_tokens for b in batches])
-    evicted = torch.cat([b.kv.evicted_tokens for b in batches])
-    rollout_s = sum(b.rollout_seconds for b in batches)
-    peak = max(b.kv.kv_peak_bytes for b in batches)
-    dense = max(b.kv.kv_dense_bytes for b in batches)
-    return {"kv_peak_bytes": peak, "kv_dense_bytes": dense, "kv_peak_frac": peak / max(dense, 1),
-            "kept_tokens_mean": float(kept.mean()), "evicted_tokens_mean": float(evicted.mean()),
-            "kept_token_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
-            "attended_frac": sum(b.kv.attended_frac * len(b) for b in batches) / sum(len(b) for b in batches),
-            "compressions": sum(b.kv.compressions for b in batches),
-            "compress_time_frac": sum(b.kv.compress_seconds for b in batches) / max(rollout_s, 1e-9)}
+    stats = KVStats.merged([b.kv for b in batches], [len(b) for b in batches])
+    return stats.summary(sum(b.rollout_seconds for b in batches))
