@@ -57,3 +57,21 @@ def test_a_128k_vocabulary_update_and_alpha_stay_within_memory():
     chunked = _peak_rss_mib("chunked")
     assert chunked < RSS_BOUND_MIB
     assert _peak_rss_mib("unchunked") > RSS_BOUND_MIB, "the bound no longer separates the two paths"
+
+
+def test_logprobs_at_a_temperature_are_those_of_the_tempered_distribution():
+    """What a sampler at T draws from is softmax(logits / T): the learner's log-probs and entropy are
+    of that distribution (else a dense rollout at T = 0.7 looks off-policy to every correction)."""
+    model, _ = make_tiny_model()
+    ids = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    width = 8
+    with torch.no_grad():
+        token, entropy = response_logprobs(model, ids, mask, width, with_entropy=True, temperature=0.7)
+        greedy, _ = response_logprobs(model, ids, mask, width, temperature=0.0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask)).logits
+    for scale, got in ((0.7, token), (1.0, greedy)):  # greedy samplers record the plain softmax
+        reference = torch.log_softmax(logits[:, width - 1:-1].double() / scale, dim=-1)
+        assert (got.double() - reference.gather(2, ids[:, width:, None]).squeeze(-1)).abs().max() < 1e-5
+    reference = torch.log_softmax(logits[:, width - 1:-1].double() / 0.7, dim=-1)
+    assert (entropy.double() + (reference.exp() * reference).sum(-1)).abs().max() < 1e-5

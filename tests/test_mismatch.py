@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparserl.learner.alpha import acceptance_rate, alpha_metrics, alpha_points
+from sparserl.learner.alpha import alpha_points
+from sparserl.rollout.acceptance import acceptance_rate, alpha_metrics
 
 
 def _brute_alpha(p: np.ndarray, q: np.ndarray) -> float:

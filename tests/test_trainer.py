@@ -154,6 +154,16 @@ def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, t
     assert a["grad_norm"] > 0
 
 
+def test_dense_rollouts_below_temperature_one_are_on_policy(tiny_model_dir, tmp_path):
+    """At T = 0.7 the sampler records log-probs of softmax(logits / 0.7); the dense recompute takes the
+    same distribution, so ξ = 1 to rounding and no filter sees a mismatch that is only temperature."""
+    assert main(_args(tiny_model_dir, tmp_path / "run", 1, extra=("--temperature", "0.7", "--eval-every", "0"))) == 0
+    step = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert step["kl_sampler_old"] < 1e-6
+    assert step["raw_seq_geo_q05"] == pytest.approx(1.0, abs=1e-5)
+    assert step["raw_seq_geo_q95"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_kept_vs_vetoed_diagnostics_by_hand():
     from sparserl.train.step_batch import kept_vs_rejected
 

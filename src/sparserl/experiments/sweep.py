@@ -51,7 +51,7 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
     quantiles = []
     for batch in done.batches:
         logp_old = batched_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_ids.shape[1],
-                                    micro_batch_size)
+                                    micro_batch_size, temperature)
         result = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask, CorrectionConfig())
         vetoed += result.metrics["rejected_sequences"]
         rows += len(batch)

@@ -1,27 +1,14 @@
-"""How far the sparse sampler is from the dense policy, token by token (Sparrow's acceptance rate).
-
-`acceptance_rate` compares whole next-token distributions: α = Σ_v min(p_sparse(v), p_dense(v)),
-which is 1 − the total-variation distance and the probability that a draw from the sparse sampler
-would be accepted by speculative-decoding-style rejection against the dense policy. Most tokens
-have α > 0.999; training stability is decided by the lower tail, so `alpha_metrics` takes a low
-quantile of α per bin of cached length (the length a budget schedule reads).
-"""
+"""How far the sparse sampler is from the dense policy, token by token: Sparrow's acceptance rate α
+(`sparserl.rollout.acceptance`) at every response position of a rollout batch, by a dense recompute
+or the exact replay of the sampler."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
-
-def acceptance_rate(logp_sparse: torch.Tensor, logp_dense: torch.Tensor) -> torch.Tensor:
-    """α `[...]` of two next-token distributions given as log-probabilities `[..., V]`, both processed
-    the way the sampler samples (temperature applied)."""
-    if logp_sparse.shape != logp_dense.shape:
-        raise ValueError(f"logp_sparse and logp_dense must have one shape, got {tuple(logp_sparse.shape)} "
-                         f"and {tuple(logp_dense.shape)}")
-    return torch.minimum(logp_sparse.float(), logp_dense.float()).exp().sum(dim=-1)
+from ..rollout.acceptance import acceptance_rate, alpha_metrics
 
 
 @torch.no_grad()
@@ -36,13 +23,13 @@ def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int =
     `sampler_context()` (DistillSparse's adapter), one position chunk at a time: α is exact, and
     peak memory is two chunks of logits, never `[N, T, V]`.
     """
-    from ..model.forward import head_logits, map_head_chunks, micro_batches, response_hidden
+    from ..model.forward import head_logits, logit_scale, map_head_chunks, micro_batches, response_hidden
     from ..rollout.replay import replay_attention
 
     if batch.sampler_distribution is None and not batch.replayable:
         raise ValueError("α needs the sampler's distributions or what replays them: generate the batch with "
                          "RolloutEngine(record_distributions=True)")
-    scale = temperature if temperature > 0 else 1.0
+    scale = logit_scale(temperature)
     width = batch.prompt_ids.shape[1]
     parts = []
     for rows in micro_batches(len(batch), micro_batch_size):
@@ -73,42 +60,9 @@ def alpha_points(alpha: torch.Tensor, response_mask: torch.Tensor,
     return alpha[keep].float(), lengths[keep]
 
 
-def alpha_metrics(alpha: torch.Tensor, cached_lengths: torch.Tensor, bin_size: int,
-                  quantile: float = 0.05) -> dict[str, float]:
-    """`alpha_mean`, `alpha_tail` (the lowest per-bin `quantile`) and `alpha_tail_len_<start>` for
-    each cached-length bin, from the points of `alpha_points` (any number of batches concatenated).
-
-    A bin needs at least 1 / quantile tokens (20 for the 5th percentile) for its quantile to be
-    more than its single worst token; sparser bins are left out, and `alpha_tail_tokens` says how
-    many tokens the tail rests on.
-    """
-    if alpha.numel() == 0:
-        return {}
-    least = math.ceil(1 / quantile) if quantile > 0 else 1
-    bins = cached_lengths // bin_size
-    per_bin, counted = {}, 0
-    for b in torch.unique(bins).tolist():
-        values = alpha[bins == b]
-        if values.numel() >= least:
-            per_bin[f"{TAIL_PREFIX}{int(b) * bin_size}"] = float(torch.quantile(values, quantile))
-            counted += values.numel()
-    out = {"alpha_mean": float(alpha.mean()), "alpha_tail_tokens": float(counted), **per_bin}
-    if per_bin:
-        out["alpha_tail"] = min(per_bin.values())
-    return out
-
-
-TAIL_PREFIX = "alpha_tail_len_"
-
-
 def rollout_alpha_metrics(model, batches: list, temperature: float, bin_size: int, quantile: float = 0.05,
                           micro_batch_size: int = 64, sampler_context=contextlib.nullcontext) -> dict[str, float]:
     """`alpha_metrics` over every response token of `batches` (sampled with `record_distributions`)."""
     points = [alpha_points(rollout_acceptance(model, b, temperature, micro_batch_size, sampler_context),
                            b.response_mask, b.prompt_lengths) for b in batches]
     return alpha_metrics(torch.cat([p[0] for p in points]), torch.cat([p[1] for p in points]), bin_size, quantile)
-
-
-def bin_tails(metrics: dict[str, float]) -> dict[int, float]:
-    """{bin start: tail} from the `alpha_tail_len_<start>` entries of `alpha_metrics`."""
-    return {int(k[len(TAIL_PREFIX):]): v for k, v in metrics.items() if k.startswith(TAIL_PREFIX)}

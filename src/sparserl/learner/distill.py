@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.forward import head_logits, map_head_chunks, micro_batches, response_hidden
+from ..model.forward import head_logits, logit_scale, map_head_chunks, micro_batches, response_hidden
 from ..rollout.adapter import AdapterConfig, SamplerAdapter, adapter_config
 from ..rollout.engine import RolloutBatch
 from ..rollout.replay import replay_attention
@@ -35,12 +35,15 @@ class DistillConfig:
     clip_eps: float = 0.2
     grad_clip: float = 1.0
     loss_agg: str = "seq-mean-token-mean"
+    temperature: float = 1.0  # the sampler's: its recorded log-probs are of logits / temperature
 
 
-def distill_config(train) -> DistillConfig:
-    """The `distill_*` fields of a `TrainConfig`, with its PPO clip, grad clip and loss aggregation."""
+def distill_config(train, temperature: float = 1.0) -> DistillConfig:
+    """The `distill_*` fields of a `TrainConfig`, with its PPO clip, grad clip and loss aggregation,
+    and the rollouts' sampling `temperature`."""
     return DistillConfig(adapter=adapter_config(train), lr=train.distill_lr, kl_coef=train.distill_kl_coef,
-                         clip_eps=train.clip_eps, grad_clip=train.grad_clip, loss_agg=train.loss_agg)
+                         clip_eps=train.clip_eps, grad_clip=train.grad_clip, loss_agg=train.loss_agg,
+                         temperature=temperature)
 
 
 class DistillTrainer:
@@ -100,7 +103,8 @@ class DistillTrainer:
                 with replay_attention(self.model, batch, rows):
                     sparse_hidden = response_hidden(self.model, ids, mask, width)
                 logp_sparse, kl, logp_dense = map_head_chunks(self.model, sparse_hidden, self._distill_terms,
-                                                              dense_hidden, ids[:, width:])
+                                                              dense_hidden, ids[:, width:],
+                                                              temperature=logit_scale(cfg.temperature))
                 terms = ppo_loss(logp_sparse, batch.sampler_logprobs[rows], advantages[rows],
                                  torch.ones_like(logp_sparse), coefficients[rows], cfg.clip_eps, cfg.clip_eps)
                 kl_term = (coefficients[rows] * kl).sum()
@@ -115,9 +119,11 @@ class DistillTrainer:
 
     def _distill_terms(self, sparse: torch.Tensor, dense_hidden: torch.Tensor, targets: torch.Tensor):
         """Per position: the sparse log-prob of the sampled token, KL(dense ‖ sparse) over the
-        vocabulary, and the dense log-prob (no gradient). sparse: [n, c, V] log-probs."""
+        vocabulary, and the dense log-prob (no gradient), all at the sampler's temperature.
+        sparse: [n, c, V] log-probs."""
         with torch.no_grad():
-            dense = torch.log_softmax(head_logits(self.model, dense_hidden), dim=-1)
+            dense = torch.log_softmax(head_logits(self.model, dense_hidden) / logit_scale(self.config.temperature),
+                                      dim=-1)
         kl = (dense.exp() * (dense - sparse)).sum(dim=-1)
         token = targets[..., None]
         return sparse.gather(2, token).squeeze(-1), kl, dense.gather(2, token).squeeze(-1)

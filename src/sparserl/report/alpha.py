@@ -2,7 +2,7 @@
 
 Sparse modes log, per step, `alpha_tail_len_<start>` (the 5th percentile of α over the response
 tokens whose cached length falls in the bin starting at <start>), `alpha_tail` (the worst bin) and
-`alpha_mean`; see `sparserl.learner.alpha.alpha_metrics`. `alpha_section` turns them into the table of
+`alpha_mean`; see `sparserl.rollout.acceptance.alpha_metrics`. `alpha_section` turns them into the table of
 report.md, `first_last` and `bins_over_seeds` feed `alpha_tail.png` (`report_plots.py`). Runs that
 logged no α (dense-only comparisons) give no section at all.
 """
@@ -10,7 +10,7 @@ logged no α (dense-only comparisons) give no section at all.
 from __future__ import annotations
 
 from ..config.schema import RolloutConfig
-from ..learner.alpha import bin_tails
+from ..rollout.acceptance import bin_tails
 from .common import cell, markdown, setting
 
 

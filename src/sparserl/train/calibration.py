@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..learner.alpha import bin_tails, rollout_alpha_metrics
+from ..learner.alpha import rollout_alpha_metrics
+from ..rollout.acceptance import bin_tails
 from ..rollout.engine import sparsity_from_config
 from ..rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
 from .evaluation import complete

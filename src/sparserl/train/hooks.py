@@ -13,8 +13,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..config.schema import calibration_budgets
-from ..learner.alpha import bin_tails
 from ..learner.distill import DistillTrainer
+from ..rollout.acceptance import bin_tails
 from ..rollout.schedule import AdaptiveBudget
 from .calibration import calibrate_schedule
 from .step_batch import StepBatch, step_seed
