@@ -152,7 +152,7 @@ class RolloutEngine:
         """`release_finished_rows=False` keeps every row in the batch until the longest ends (a static
         batch, the engine's shape before rows could leave; `bench/scheduler.py` compares the two)."""
         self.model = model
-        self.num_layers = len(_decoder_layers(model))
+        self.num_layers = len(decoder_layers(model))
         self.release_finished_rows = release_finished_rows
         self.compression = compression
         self.policy = compression.build_policy() if isinstance(compression, KVCompression) else None
@@ -240,6 +240,6 @@ class RolloutEngine:
         return [self.policy.layer_budget(budget, i, num_layers) for i in range(num_layers)]
 
 
-def _decoder_layers(model) -> list:
+def decoder_layers(model) -> list:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return list(base.layers)
