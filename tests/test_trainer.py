@@ -164,6 +164,20 @@ def test_dense_rollouts_below_temperature_one_are_on_policy(tiny_model_dir, tmp_
     assert step["raw_seq_geo_q95"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("draft", ["block", "window"])
+def test_speculative_rollouts_train_sparse_rl_as_dense_would(tiny_model_dir, tmp_path, draft):
+    """Speculative samples are the dense policy's and record its log-probs: under sparse-rl's filters
+    ξ = 1, nothing is vetoed or masked, and the step logs what the speculation did."""
+    extra = ("--speculative", "true", "--speculative-draft", draft, "--kv-budget", "12", "--block-page-size", "2",
+             "--block-dense-layers", "0", "--temperature", "0.8")
+    assert main(_args(tiny_model_dir, tmp_path / draft, 1, "sparse-rl", extra)) == 0
+    record = read_metrics(tmp_path / draft / "metrics.jsonl")[-1]
+    assert record["kl_sampler_old"] < 1e-6 and abs(record["xi_min"] - 1) < 1e-4
+    assert record["rejected_seq_frac"] == record["band_mask_frac"] == 0.0
+    assert 0 < record["spec_acceptance_rate"] <= 1 and record["spec_tokens_per_verification"] >= 1
+    assert "alpha_mean" not in record  # no lossy sampler to measure
+
+
 def test_kept_vs_vetoed_diagnostics_by_hand():
     from sparserl.train.step_batch import kept_vs_rejected
 

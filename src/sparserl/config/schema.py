@@ -46,6 +46,7 @@ class TaskConfig:
     label_key: str = "label"  # math_jsonl: the key holding the answer
     template: str = "{prompt}"  # math_jsonl: how the prompt is put to the model ({prompt} is replaced)
     gym_dataset: str = "chain_sum"  # reasoning_gym: the dataset name
+    chat_template: bool = False  # put each prompt to the model as one user turn of its tokenizer's chat template (instruction-tuned models)
     max_new_tokens: int = 0  # response bound in tokens; 0 = the task's own
 
 
@@ -70,6 +71,9 @@ class RolloutConfig:
     sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
+    speculative: bool = False  # lossless rollouts: block-sparse attention (kv_budget, block_*) drafts draft_tokens tokens, the dense model verifies them; exact dense samples, so no mismatch to correct (pays only at long contexts, docs/benchmarks.md)
+    speculative_draft: Literal["block", "window"] = "block"  # speculative: the draft reads block-sparse pages (kv_budget, block_*) or a window of kv_budget slots (the first min(64, kv_budget / 4) and the most recent)
+    draft_tokens: int | Literal["adaptive"] = 4  # speculative: tokens drafted per verification, or adaptive (1-8, from the running acceptance rate and step costs)
     rollout_workers: int = 0  # Ray actors that sample rollouts (0: in this process); needs pip install -e ".[ray]"
     rollout_shards: int = 0  # fixed sets of prompt groups each sampled as one batch with its own seed; 0 = max(1, rollout_workers). Same shards, same metrics, whatever the workers
     ray_address: str | None = None  # join this Ray cluster (e.g. auto or ray://host:10001); none: start a local one
@@ -369,6 +373,7 @@ def validate(config: ExperimentConfig) -> None:
     _validate_kv_policy(config.rollout)
     _validate_recalibration(config.rollout)
     _validate_block(config.rollout)
+    _validate_speculative(config)
     _validate_workers(config.rollout)
     if config.train.distill_sparse and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--distill-sparse needs sparse rollouts; mode {config.train.mode} samples densely")
@@ -418,6 +423,24 @@ def _validate_block(rollout: RolloutConfig) -> None:
     if rollout.sparsity == "block" and rollout.kv_budget < always:
         raise ConfigError(f"--sparsity block: kv_budget ({rollout.kv_budget}) must cover the first and the 2 most "
                           f"recent pages, at least 3 x block_page_size = {always} tokens")
+
+
+def _validate_speculative(config: ExperimentConfig) -> None:
+    rollout = config.rollout
+    if rollout.draft_tokens != "adaptive" and not 1 <= rollout.draft_tokens <= 64:
+        raise ConfigError(f"draft_tokens must be adaptive or 1..64, got {rollout.draft_tokens}")
+    if not rollout.speculative:
+        return
+    conflicts = [(rollout.rollout_workers > 0, "--rollout-workers (Ray workers build plain engines)"),
+                 (config.train.distill_sparse, "--distill-sparse (speculative samples are dense: nothing to distill)"),
+                 (bool(rollout.kv_schedule) or rollout.recalibrate_every > 0, "a budget schedule or recalibration")]
+    for conflict, what in conflicts:
+        if conflict:
+            raise ConfigError(f"--speculative true does not combine with {what}")
+    always = 3 * rollout.block_page_size
+    if rollout.speculative_draft == "block" and rollout.kv_budget < always:
+        raise ConfigError(f"--speculative true drafts with block attention: kv_budget ({rollout.kv_budget}) must "
+                          f"cover the first and the 2 most recent pages, at least {always} tokens")
 
 
 def _validate_workers(rollout: RolloutConfig) -> None:

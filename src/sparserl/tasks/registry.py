@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import ConfigError
 from . import gym, math_jsonl, pointer_walk  # noqa: F401 - each registers its task
 from .base import TASKS, Task
+from .chat import ChatPrompts
 from .gym import GYM_PREFIX
 
 
@@ -29,9 +30,15 @@ def task_class(name: str) -> type:
     return TASKS[key]
 
 
-def task_from_config(config) -> Task:
-    """The task a `TaskConfig` describes (see `sparserl.config.schema.TaskConfig`)."""
-    return task_class(config.task).from_config(config)
+def task_from_config(config, tokenizer=None) -> Task:
+    """The task a `TaskConfig` describes (see `sparserl.config.schema.TaskConfig`); its prompts in
+    `tokenizer`'s chat template when the config asks for it."""
+    task = task_class(config.task).from_config(config)
+    if config.chat_template:
+        if tokenizer is None:
+            raise ValueError("chat_template: pass the model's tokenizer, whose template the prompts take")
+        return ChatPrompts(task, tokenizer)
+    return task
 
 
 def build_task(name: str, **options: Any) -> Task:

@@ -40,6 +40,8 @@ from ..rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsi
 from ..rollout.sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
 from ..rollout.schedule import AdaptiveBudget, BinnedBudget
 from ..rollout.scheduler import resolve_kv_memory
+from ..rollout.speculative import SpeculativeSampler
+from ..rollout.speculative_drafts import draft_from_config
 from ..tasks.base import walk_metrics
 from ..tasks.registry import max_new_tokens, task_from_config
 from .checkpoint import TrainerState, load_adapter, load_trainer_state, save_checkpoint
@@ -111,7 +113,7 @@ class GRPOTrainer:
         self.reference = None
         if config.train.kl_coef > 0:
             self.reference = load_policy(config.model.model, dtype, self.device)[0].eval().requires_grad_(False)
-        self.task = task_from_config(config.task)
+        self.task = task_from_config(config.task, self.tokenizer)
         self.max_new_tokens = max_new_tokens(config.task, self.task)
         self.reward = RewardRunner.from_spec(config.train.reward_funcs, config.train.reward_weights, self.task.reward,
                                              timeout_s=config.train.reward_timeout,
@@ -120,7 +122,7 @@ class GRPOTrainer:
         self.adapter, self.distill = None, None
         if config.train.distill_sparse:
             self.adapter = SamplerAdapter(self.model, adapter_config(config.train))
-            self.distill = DistillTrainer(self.adapter, distill_config(config.train))
+            self.distill = DistillTrainer(self.adapter, distill_config(config.train, config.rollout.temperature))
             if checkpoint is not None:
                 load_adapter(self.distill, checkpoint)
         policy_parameters = [p for name, p in self.model.named_parameters()
@@ -139,10 +141,16 @@ class GRPOTrainer:
         elif config.rollout.recalibrate_every and self.state.kv_budgets:  # the last recalibration's schedule
             self.compression = dataclasses.replace(
                 self.compression, schedule=BinnedBudget(config.rollout.alpha_bin_size, tuple(self.state.kv_budgets)))
-        self.sparse = load_preset(config.train.mode).sparse_rollouts
-        self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
-                                    record_evictions=self.adapter is not None,  # DistillSparse's replay needs them
-                                    record_distributions=self.sparse)
+        # Speculative rollouts are exact dense samples whatever the mode: nothing sparse to measure or correct.
+        self.sparse = load_preset(config.train.mode).sparse_rollouts and not config.rollout.speculative
+        self.draft = draft_from_config(config.rollout) if config.rollout.speculative else None
+        if self.draft is not None:
+            self.engine = SpeculativeSampler(self.model, self.draft, config.rollout.draft_tokens,
+                                             bin_size=config.rollout.alpha_bin_size)
+        else:
+            self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
+                                        record_evictions=self.adapter is not None,  # DistillSparse's replay needs them
+                                        record_distributions=self.sparse)
         self.rollouts = make_rollouts(config, self.engine, self.adapter, self.device)
         self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
         self.kv_memory_bytes = resolve_kv_memory(config.rollout.rollout_kv_memory, self.device)
@@ -249,6 +257,8 @@ class GRPOTrainer:
         update = _SKIPPED_UPDATE if skipped else self._update_policy(data)
         update_s = time.perf_counter() - update_started
         record.update(rollout_metrics(data.batch, data.rewards, data.rollouts))
+        if self.draft is not None:
+            record.update(self.engine.take_metrics())
         record.update(update)
         record.update(self._diagnose(data))
         record.update({**budgets_used, **before, "rejected_token_frac": rejected, "skipped": int(skipped),
@@ -275,7 +285,7 @@ class GRPOTrainer:
                                   max_rows=cfg.rollout.max_concurrent_rows)
         self.rollouts.sync_weights(self.model, self.state.step)
         rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
-                                          self.compression if self.sparse else None)
+                                          self.compression if self.sparse else self.draft)
         batch = concat_rollouts(rollouts.shards, self.tokenizer.pad_token_id)
         return StepBatch(step, examples, rollouts, batch, sampling_generator(self.model, seed))
 
@@ -296,12 +306,14 @@ class GRPOTrainer:
             # recompute of π_old, so it is done once with gradients and reused (as TRL does).
             self.model.train()
             data.fused_forward = response_logprobs(self.model, input_ids, attention_mask, width,
-                                                   with_entropy=cfg.train.entropy_coef > 0)
+                                                   with_entropy=cfg.train.entropy_coef > 0,
+                                                   temperature=cfg.rollout.temperature)
             data.logp_old = data.fused_forward[0].detach()
         else:
-            data.logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb)
+            data.logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb, cfg.rollout.temperature)
         if self.reference is not None:
-            data.logp_ref = batched_logprobs(self.reference, input_ids, attention_mask, width, mb)
+            data.logp_ref = batched_logprobs(self.reference, input_ids, attention_mask, width, mb,
+                                             cfg.rollout.temperature)
         # α needs the sampler's whole distributions and the pre-update weights.
         if self.sparse:
             data.acceptance = rollout_alpha_metrics(self.model, data.rollouts.shards, cfg.rollout.temperature,
@@ -400,7 +412,7 @@ class GRPOTrainer:
                     rows_part = index[part]
                     logp_new, entropy = first_forward if first_forward is not None else response_logprobs(
                         self.model, input_ids[rows_part], attention_mask[rows_part], width,
-                        with_entropy=cfg.entropy_coef > 0)
+                        with_entropy=cfg.entropy_coef > 0, temperature=self.config.rollout.temperature)
                     terms = ppo_loss(logp_new, logp_old[rows_part], advantages[rows_part], weights[rows_part],
                                      coefficients[part], cfg.clip_eps, cfg.clip_eps_high,
                                      cfg.kl_coef, None if logp_ref is None else logp_ref[rows_part],
