@@ -29,6 +29,17 @@ def make_tiny_model(seed: int = 0, **overrides) -> tuple[LlamaForCausalLM, objec
     return model, tokenizer
 
 
+def make_tiny_gemma3(layer_types: list[str], sliding_window: int):
+    """A 4-layer Gemma-3 style hybrid (vocabulary 97): sliding-window layers beside full-attention ones."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=sliding_window,
+                              layer_types=layer_types, max_position_embeddings=256, pad_token_id=0)
+    return Gemma3ForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Llama + char tokenizer saved with save_pretrained."""

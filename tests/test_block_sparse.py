@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model, replay_logprobs
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
 
 from sparserl.model.forward import response_logprobs
 from sparserl.rollout.block_sparse import BlockSelector, BlockSparsity, PageCentroids, page_scores, select_pages
@@ -256,12 +255,7 @@ def test_bf16_block_sparse_rollout():
 
 def test_hybrid_model_keeps_sliding_layers_dense(tiny):
     _, tokenizer = tiny
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                           "full_attention"], max_position_embeddings=256, pad_token_id=0)
-    model = Gemma3ForCausalLM(config).eval()
+    model = make_tiny_gemma3(["sliding_attention", "full_attention"] * 2, sliding_window=6)
     batch = _sample(model, tokenizer, BlockSparsity(budget=3 * PAGE, page_size=PAGE, dense_layers=0))
     assert set(batch.block_selections.pages) == {1, 3}
     assert batch.kv.attended_frac < 1.0

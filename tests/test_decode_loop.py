@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_tiny_model, replay_logprobs
+from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
 
 from sparserl.rollout import decode_loop, kv_policies
 from sparserl.rollout.block_sparse import BlockSparsity
@@ -121,15 +121,7 @@ def test_layer_budgets_and_schedules_with_joins(deep64, compression):
 
 
 def _tiny_hybrid():
-    """A Gemma-3 style model: sliding-window layers beside full-attention ones."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=5,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                           "full_attention"], max_position_embeddings=256, pad_token_id=0)
-    return Gemma3ForCausalLM(config).eval().double()
+    return make_tiny_gemma3(["sliding_attention", "full_attention"] * 2, sliding_window=5).double()
 
 
 @pytest.mark.parametrize("sparsity", [None, _compression("h2o"), _compression("snapkv", per_head=True)],

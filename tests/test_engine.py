@@ -6,8 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_tiny_model, replay_logprobs
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
 
 from sparserl.model.forward import response_logprobs
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
@@ -160,12 +159,7 @@ def test_positions_after_eviction_match_a_brute_force_recompute(policy):
 
 
 def _tiny_gemma3():
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=6,
-                              layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
-                                           "full_attention"], max_position_embeddings=256, pad_token_id=0)
-    return Gemma3ForCausalLM(config).eval()
+    return make_tiny_gemma3(["sliding_attention"] * 3 + ["full_attention"], sliding_window=6)
 
 
 def test_hybrid_model_compresses_only_full_attention_layers(tiny):
