@@ -178,6 +178,17 @@ def test_speculative_rollouts_train_sparse_rl_as_dense_would(tiny_model_dir, tmp
     assert "alpha_mean" not in record  # no lossy sampler to measure
 
 
+def test_alpha_is_measured_at_step_one_and_every_n_steps_after(tiny_model_dir, tmp_path, capsys):
+    assert main(_args(tiny_model_dir, tmp_path / "every2", 3, "geo-rs", ("--alpha-every", "2"))) == 0
+    measured = [r["step"] for r in read_metrics(tmp_path / "every2" / "metrics.jsonl") if "alpha_mean" in r]
+    assert measured == [1, 3]
+    assert main(_args(tiny_model_dir, tmp_path / "never", 2, "geo-rs", ("--alpha-every", "0"))) == 0
+    assert not any("alpha_mean" in r for r in read_metrics(tmp_path / "never" / "metrics.jsonl"))
+    assert main(_args(tiny_model_dir, tmp_path / "bad", 1, "sparrow", ("--kv-schedule", "adaptive",
+                                                                        "--alpha-every", "2"))) == 2
+    assert "leave --alpha-every at 1" in capsys.readouterr().err
+
+
 def test_kept_vs_vetoed_diagnostics_by_hand():
     from sparserl.train.step_batch import kept_vs_rejected
 

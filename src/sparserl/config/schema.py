@@ -63,6 +63,7 @@ class RolloutConfig:
     kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`), or adaptive: kv_budget adjusted online to keep the α tail >= alpha_tau
     alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
     alpha_tau: float = 0.86  # the α tail an adaptive schedule, or a recalibration, keeps
+    alpha_every: int = 1  # train: measure α of sparse rollouts at step 1 and every N steps after (0: never); on a large vocabulary it costs a dense forward and a replay of the sampler (SmolLM2: 27 of 95 s a step). An adaptive schedule reads it every step
     recalibrate_every: int = 0  # train: rerun the calibration on the current weights every N steps (0: never); tau alpha_tau, bins alpha_bin_size
     calibration_budgets: str = "24,32,40,48,56,64,72,80,96,128"  # the budgets a recalibration tries, comma-separated
     calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
@@ -405,6 +406,10 @@ def calibration_budgets(rollout: RolloutConfig) -> list[int]:
 
 
 def _validate_recalibration(rollout: RolloutConfig) -> None:
+    if rollout.alpha_every < 0:
+        raise ConfigError("alpha_every must be >= 0 (0: never)")
+    if rollout.kv_schedule == "adaptive" and rollout.alpha_every != 1:
+        raise ConfigError("--kv-schedule adaptive follows the α tail of every step: leave --alpha-every at 1")
     if rollout.recalibrate_every < 0:
         raise ConfigError("recalibrate_every must be >= 0 (0: never)")
     if not rollout.recalibrate_every:

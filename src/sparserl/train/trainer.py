@@ -315,7 +315,8 @@ class GRPOTrainer:
             data.logp_ref = batched_logprobs(self.reference, input_ids, attention_mask, width, mb,
                                              cfg.rollout.temperature)
         # α needs the sampler's whole distributions and the pre-update weights.
-        if self.sparse:
+        every = cfg.rollout.alpha_every
+        if self.sparse and every and (data.step - 1) % every == 0:
             data.acceptance = rollout_alpha_metrics(self.model, data.rollouts.shards, cfg.rollout.temperature,
                                                     cfg.rollout.alpha_bin_size, micro_batch_size=mb,
                                                     sampler_context=self.sampler)
