@@ -145,6 +145,62 @@ def test_sampled_tokens_follow_the_dense_distribution(model):
     assert _chi_square_p_value(lossy_pairs, joint) < LEVEL  # the test can tell a sparse sampler from dense
 
 
+@torch.no_grad()
+def _response_probabilities(model, prompt: list[int], length: int, eos: int, temperature: float) -> dict:
+    """{response: probability} of every response the dense model at `temperature` can give `prompt`
+    (ended by EOS or at `length` tokens), by brute-force enumeration in float64."""
+    done, frontier = {}, {(): 1.0}
+    for depth in range(length):
+        prefixes = list(frontier)
+        logits = model(input_ids=torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        for prefix, weight, row in zip(prefixes, list(frontier.values()), (logits / temperature).softmax(-1)):
+            for token, probability in enumerate(row.tolist()):
+                response = prefix + (token,)
+                if token == eos or depth == length - 1:
+                    done[response] = done.get(response, 0.0) + weight * probability
+                else:
+                    frontier[response] = weight * probability
+            del frontier[prefix]
+    return done
+
+
+@pytest.mark.parametrize("draft", [BlockSparsity(budget=4, page_size=2, dense_layers=0), WindowDraft(budget=4, sink=1)],
+                         ids=["block", "window"])
+def test_whole_responses_follow_the_dense_distribution(draft, monkeypatch):
+    """Every token of the response, the bonus tokens and the rounds after a compaction included: the
+    frequencies of whole responses (vocabulary 3 with EOS, up to 8 tokens, two prompts of different
+    lengths in alternate rows, rows ending mid-round) pass a chi-square against the dense model's
+    exact probabilities, enumerated by brute force."""
+    vocab, eos, length, temperature, rows = 3, 2, 8, 0.7, 12000
+    torch.manual_seed(0)
+    config = builtin_model_config(vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    tiny = LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for parameter in tiny.parameters():
+            parameter.mul_(3.0)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, vocab, (9,), generator=generator).tolist(),
+               torch.randint(0, vocab, (5,), generator=generator).tolist()]
+    compactions = []
+    monkeypatch.setattr(speculative, "compact", lambda cache, real=speculative.compact: compactions.append(1) or
+                        real(cache))
+    batch = SpeculativeSampler(tiny, draft, draft_tokens=3).generate(
+        [prompts[i % 2] for i in range(rows)], SamplingConfig(length, temperature, eos_token_id=eos),
+        seeds=list(range(rows)))
+    assert compactions and 0.2 < batch.speculation.acceptance_rate < 0.95  # the draft differs from dense
+    for which, prompt in enumerate(prompts):
+        exact = _response_probabilities(tiny, prompt, length, eos, temperature)
+        counts = {}
+        for ids, n in zip(batch.response_ids[which::2], batch.response_lengths[which::2]):
+            response = tuple(ids[:n].tolist())
+            counts[response] = counts.get(response, 0) + 1
+        assert set(counts) <= set(exact)
+        order = list(exact)
+        assert _chi_square_p_value(torch.tensor([float(counts.get(r, 0)) for r in order]),
+                                   torch.tensor([exact[r] for r in order])) > LEVEL
+
+
 def test_rows_batch_together_whatever_they_accept(model, monkeypatch):
     """One batch of rows with prompts of different lengths that accept different numbers of tokens in
     the same rounds, end on EOS or at the length limit, through buffer compactions: every row's
@@ -214,3 +270,18 @@ def test_speculative_flags():
     window = load_config(overrides={"speculative": "true", "speculative_draft": "window", "kv_budget": "80"})
     assert draft_from_config(window.rollout) == WindowDraft(budget=80, sink=20)
     assert isinstance(draft_from_config(load_config(overrides={"speculative": "true"}).rollout), BlockSparsity)
+
+
+def test_window_draft_reports_the_share_of_real_keys_it_reads():
+    """Budget 32 over caches of 40 to 440 real keys: the draft reads 32 of L at each step, so its
+    attended share is about the mean of 32 / L over the steps (0.193), whatever slack the buffer has.
+    (A model with near-uniform attention, whose drafts are nearly all accepted: few holes in the window.)"""
+    torch.manual_seed(0)
+    config = builtin_model_config(VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    plain = LlamaForCausalLM(config).double().eval()
+    batch = SpeculativeSampler(plain, WindowDraft(budget=32, sink=4), draft_tokens=4).generate(
+        [list(range(1, 11)) * 4] * 2, SamplingConfig(max_new_tokens=400, temperature=1.0, eos_token_id=None),
+        seeds=[1, 2])
+    expected = sum(32 / length for length in range(40, 440)) / 400
+    assert batch.speculation.attended_frac == pytest.approx(expected, rel=0.05)

@@ -25,9 +25,8 @@ MODES = ("dense", "geo-rs", "sparse-rl")
 def cell(values: list[float], form: str) -> str:
     if not values:
         return "—"
-    mean = form.format(statistics.mean(values))
-    return mean if len(values) == 1 or min(values) == max(values) else \
-        f"{mean} ({form.format(min(values))}–{form.format(max(values))})"
+    mean, low, high = (form.format(v) for v in (statistics.mean(values), min(values), max(values)))
+    return mean if low == high else f"{mean} ({low}–{high})"
 
 
 def runs(budget_dir: Path, mode: str) -> list[tuple[list[dict], dict, dict]]:

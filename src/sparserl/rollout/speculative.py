@@ -16,7 +16,11 @@ first token) uses the engine's `row_uniforms(seed, t)`; the acceptance test and 
 at t use two more counter streams of the row's seed. A uniform used by a discarded draft token is
 reused by the next round's draft at that position, which is still exact: nothing kept depended on
 it. So with a draft that attends densely, every draft is accepted and a rollout is
-`RolloutEngine(model).generate` token for token.
+`RolloutEngine(model).generate` token for token. With a sparse draft a row's tokens also depend on
+the rows beside it (γ is capped by the batch's longest remaining row, an adaptive γ is shared and
+follows measured step times, compactions follow the batch's buffer): each row is still an exact
+dense sample, but unlike the engine's rows, the batch composition (rows in flight, shards) changes
+which one, and an adaptive γ makes a run not reproducible bit for bit.
 
 Layout: one cache buffer length for the batch. The verify forward appends γ + 1 slots per row; the
 slots past what a row accepted are marked not real (holes the masks skip). When a round would

@@ -64,26 +64,27 @@ class _WindowDraft(_DenseDraft):
     def __init__(self, settings: WindowDraft, cache: BufferCache):
         self.settings = settings
         self.cache = cache
-        self.narrowed, self.steps = 0, 0
+        self.fraction_sum, self.fractions = 0.0, 0
 
     @property
     def attended_frac(self) -> float:
-        """Layer steps that read only the sink and the window, over all draft layer steps."""
-        return 1.0 - self.narrowed / self.steps * (1.0 - self.settings.budget / self.cache.layers[0].max_capacity) \
-            if self.steps else 1.0
+        """Mean over draft layer steps of attended real keys / cached real keys (a mean over rows)."""
+        return float(self.fraction_sum) / self.fractions if self.fractions else 1.0
 
     def select(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
         """Keys and values `[A, Hkv, budget, D]` of the sink and the window, and `mask [A, Hm, 1, K]` on them."""
         layer = self.cache.layers[layer_idx]
-        self.steps += 1
+        self.fractions += 1
         if layer.is_sliding or layer.length <= self.settings.budget:
+            self.fraction_sum += 1.0
             return None
-        self.narrowed += 1
         sink, recent = slice(0, self.settings.sink), slice(layer.length - self.settings.budget + self.settings.sink,
                                                             layer.length)
+        narrowed = torch.cat([mask[..., sink], mask[..., recent]], dim=-1)
+        cached = mask[:, 0, -1].sum(dim=-1).clamp(min=1)
+        self.fraction_sum += (narrowed[:, 0, -1].sum(dim=-1) / cached).mean()  # stays on the device
         return (torch.cat([layer.keys[:, :, sink], layer.keys[:, :, recent]], dim=2),
-                torch.cat([layer.values[:, :, sink], layer.values[:, :, recent]], dim=2),
-                torch.cat([mask[..., sink], mask[..., recent]], dim=-1))
+                torch.cat([layer.values[:, :, sink], layer.values[:, :, recent]], dim=2), narrowed)
 
 
 class _BlockDraft(_DenseDraft):
