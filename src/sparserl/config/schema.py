@@ -63,7 +63,7 @@ class RolloutConfig:
     kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`), or adaptive: kv_budget adjusted online to keep the α tail >= alpha_tau
     alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
     alpha_tau: float = 0.86  # the α tail an adaptive schedule, or a recalibration, keeps
-    alpha_every: int = 1  # train: measure α of sparse rollouts at step 1 and every N steps after (0: never); on a large vocabulary it costs a dense forward and a replay of the sampler (SmolLM2: 27 of 95 s a step). An adaptive schedule reads it every step
+    alpha_every: int = 1  # train: measure α of sparse rollouts at step 1 and every N steps after (0: never); on a large vocabulary it costs a dense forward and a replay of the sampler (SmolLM2: 16-27 s of a 72-100 s step). An adaptive schedule reads it every step
     recalibrate_every: int = 0  # train: rerun the calibration on the current weights every N steps (0: never); tau alpha_tau, bins alpha_bin_size
     calibration_budgets: str = "24,32,40,48,56,64,72,80,96,128"  # the budgets a recalibration tries, comma-separated
     calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
@@ -72,7 +72,7 @@ class RolloutConfig:
     sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
-    speculative: bool = False  # lossless rollouts: block-sparse attention (kv_budget, block_*) drafts draft_tokens tokens, the dense model verifies them; exact dense samples, so no mismatch to correct (pays only at long contexts, docs/benchmarks.md)
+    speculative: bool = False  # lossless rollouts: a sparse draft (speculative_draft, kv_budget) proposes draft_tokens tokens, the dense model verifies them; exact dense samples, so no mismatch to correct (pays only at long contexts, docs/benchmarks.md)
     speculative_draft: Literal["block", "window"] = "block"  # speculative: the draft reads block-sparse pages (kv_budget, block_*) or a window of kv_budget slots (the first min(64, kv_budget / 4) and the most recent)
     draft_tokens: int | Literal["adaptive"] = 4  # speculative: tokens drafted per verification, or adaptive (1-8, from the running acceptance rate and step costs)
     rollout_workers: int = 0  # Ray actors that sample rollouts (0: in this process); needs pip install -e ".[ray]"
