@@ -26,18 +26,22 @@ SPARSE_DRAFT = BlockSparsity(budget=6, page_size=2, dense_layers=0)
 LEVEL = 0.01  # each chi-square test rejects a correct sampler with this probability (fixed seeds: deterministic)
 
 
-@pytest.fixture(scope="module")
-def model():
-    """A float64 random Llama over 11 tokens, weights scaled up so that its next-token distributions
-    are far from uniform and its attention sharp enough for a sparse draft to differ."""
+def _tiny_llama(vocab: int, scale: float):
+    """A float64 random 2-layer Llama; weights scaled by `scale` (3: next-token distributions far from
+    uniform and attention sharp enough for a sparse draft to differ; 1: near uniform)."""
     torch.manual_seed(0)
-    config = builtin_model_config(VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = builtin_model_config(vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2)
     tiny = LlamaForCausalLM(config).double().eval()
     with torch.no_grad():
         for parameter in tiny.parameters():
-            parameter.mul_(3.0)
+            parameter.mul_(scale)
     return tiny
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny_llama(VOCAB, 3.0)
 
 
 def _prompts(rows: int, seed: int = 1) -> list[list[int]]:
@@ -172,13 +176,7 @@ def test_whole_responses_follow_the_dense_distribution(draft, monkeypatch):
     lengths in alternate rows, rows ending mid-round) pass a chi-square against the dense model's
     exact probabilities, enumerated by brute force."""
     vocab, eos, length, temperature, rows = 3, 2, 8, 0.7, 12000
-    torch.manual_seed(0)
-    config = builtin_model_config(vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2)
-    tiny = LlamaForCausalLM(config).double().eval()
-    with torch.no_grad():
-        for parameter in tiny.parameters():
-            parameter.mul_(3.0)
+    tiny = _tiny_llama(vocab, 3.0)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, vocab, (9,), generator=generator).tolist(),
                torch.randint(0, vocab, (5,), generator=generator).tolist()]
@@ -276,10 +274,7 @@ def test_window_draft_reports_the_share_of_real_keys_it_reads():
     """Budget 32 over caches of 40 to 440 real keys: the draft reads 32 of L at each step, so its
     attended share is about the mean of 32 / L over the steps (0.193), whatever slack the buffer has.
     (A model with near-uniform attention, whose drafts are nearly all accepted: few holes in the window.)"""
-    torch.manual_seed(0)
-    config = builtin_model_config(VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2)
-    plain = LlamaForCausalLM(config).double().eval()
+    plain = _tiny_llama(VOCAB, 1.0)
     batch = SpeculativeSampler(plain, WindowDraft(budget=32, sink=4), draft_tokens=4).generate(
         [list(range(1, 11)) * 4] * 2, SamplingConfig(max_new_tokens=400, temperature=1.0, eos_token_id=None),
         seeds=[1, 2])
