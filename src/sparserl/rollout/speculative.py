@@ -44,7 +44,7 @@ from .engine import RolloutBatch, RolloutEngine, SamplingConfig, decoder_layers,
 from .kv_cache import BufferCache, KVStats, build_cache
 from .speculative_drafts import WindowDraft, build_draft
 from .speculative_stats import AdaptiveDraftLength, SpeculationStats
-from .token_draws import _splitmix64, draw_tokens, row_uniforms
+from .token_draws import draw_tokens, row_uniforms, stream_seeds
 
 # Counter streams of a row's seed besides the draws' own: the acceptance tests and the residual draws.
 _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5DEECE66D, 0x2545F4914F6CDD1D
@@ -238,7 +238,8 @@ def _accept(drafts: torch.Tensor, draft_logp: torch.Tensor | None, dense_logp: t
         agree = drafts == dense_draws[:, :gamma]
     else:
         ratio = (dense_logp[:, :gamma].gather(2, drafts[..., None]) - draft_logp.gather(2, drafts[..., None])).exp()
-        agree = row_uniforms(_stream(seeds, _ACCEPT_STREAM)[:, None], positions[:, :gamma]) < ratio.squeeze(2).double()
+        tests = row_uniforms(stream_seeds(seeds, _ACCEPT_STREAM)[:, None], positions[:, :gamma])
+        agree = tests < ratio.squeeze(2).double()
     accepted = agree.long().cumprod(dim=1).sum(dim=1)
     # The token at the first rejection (or the bonus): p's draw when every draft passed (or greedy),
     # else a draw from the residual max(0, p − q), normalised.
@@ -249,16 +250,11 @@ def _accept(drafts: torch.Tensor, draft_logp: torch.Tensor | None, dense_logp: t
         # p = q to rounding leaves no residual: there a rejection is rounding noise, and p's draw stands.
         has_residual = residual.sum(dim=1) > 0
         residual_token, _, _ = draw_tokens(residual.log().where(has_residual[:, None], 0.0), 1.0, None,
-                                       row_uniforms(_stream(seeds, _RESIDUAL_STREAM),
+                                       row_uniforms(stream_seeds(seeds, _RESIDUAL_STREAM),
                                                     positions.gather(1, accepted[:, None]).squeeze(1)))
         final = torch.where((accepted < gamma) & has_residual, residual_token, final)
     tokens = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, accepted[:, None], final[:, None])
     return tokens, accepted
-
-
-def _stream(seeds: torch.Tensor, stream: int) -> torch.Tensor:
-    """Seeds `[A]` of another counter stream of each row's seed, independent of `row_uniforms(seeds, ·)`."""
-    return _splitmix64(_splitmix64(seeds) ^ stream)
 
 
 def _logprob_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -28,8 +28,7 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_steps: int = 0
-    attended_frac: float = 1.0  # the draft's attended real keys / cached real keys (block sparsity)
-    round_acceptance: list[float] = field(default_factory=list)  # accepted / compared, round by round
+    attended_frac: float = 1.0  # the draft's attended real keys / cached real keys
     # Per compared position: α = Σ min(p, q) (the expected acceptance), cached length, whether accepted.
     alpha: list[torch.Tensor] = field(default_factory=list)
     cached_lengths: list[torch.Tensor] = field(default_factory=list)
@@ -51,7 +50,6 @@ class SpeculationStats:
             accepted = int(was_accepted.sum())
             self.compared += len(was_accepted)
             self.accepted += accepted
-            self.round_acceptance.append(accepted / max(len(was_accepted), 1))
             self.alpha.append(alpha.float().cpu())
             self.cached_lengths.append(cached_lengths.cpu())
             self.was_accepted.append(was_accepted.cpu())
@@ -64,7 +62,7 @@ class SpeculationStats:
         for name in ("rounds", "gamma_sum", "verifications", "tokens", "proposed", "compared", "accepted",
                      "draft_seconds", "verify_seconds", "draft_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("round_acceptance", "alpha", "cached_lengths", "was_accepted"):
+        for name in ("alpha", "cached_lengths", "was_accepted"):
             getattr(self, name).extend(getattr(other, name))
 
     @property

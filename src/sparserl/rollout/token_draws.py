@@ -49,3 +49,9 @@ def row_uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     neither the rows beside it nor the device."""
     mixed = _splitmix64(_splitmix64(seeds) + step)
     return (_logical_shift(mixed, 11).double() + 0.5) / float(1 << 53)
+
+
+def stream_seeds(seeds: torch.Tensor, stream: int) -> torch.Tensor:
+    """Seeds `[N]` of another counter stream of each row's seed: `row_uniforms` of them are independent
+    of `row_uniforms(seeds, ·)` (the speculative sampler's acceptance tests and residual draws)."""
+    return _splitmix64(_splitmix64(seeds) ^ stream)
