@@ -16,9 +16,9 @@ a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS dis
 - HF `model.generate` on the same model and prompts (do_sample, temperature 1, no top-k/top-p,
   min_new_tokens = max_new_tokens = L - 64, use_cache) as a peer for the dense engine.
 `--stress` (or `--stress-only`) adds the stress regime at equal batch: the warm-started built-in model, 8
-pointer-walk prompts x 8 samples with per-row seeds, EOS off, dense against R-KV at B = 56 (the config's window
-and interval), `--repeats` interleaved pairs; it reports ms per decode step, the per-pair ratio sparse/dense
-(goal: at most 1.05x) and the compression share.
+pointer-walk prompts x 8 samples with per-row seeds, EOS off, dense against every KV policy at B = 56 (the
+config's window and interval), `--repeats` interleaved rounds; it reports ms per decode step, the per-round
+ratio sparse/dense (goal for R-KV, the stress regime's policy: at most 1.05x) and the compression share.
 
 Models (random init with --seed, float32; we measure speed and memory, not quality):
 - builtin: `sparserl.model.loading.builtin_model_config(97)` (0.6M parameters) with max_position_embeddings 8192;
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import json
@@ -95,9 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--stress", action="store_true",
                    help="also time the stress regime at equal batch: the warm-started built-in model, 8 pointer-walk "
-                        "prompts x 8 samples, EOS off, dense against R-KV at B = 56 (--repeats interleaved pairs)")
+                        "prompts x 8 samples, EOS off, dense against every KV policy at B = 56 (--repeats interleaved rounds)")
     p.add_argument("--stress-only", action="store_true", help="only the stress-regime comparison (no L table)")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved dense/sparse pairs of --stress (default 7)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds of --stress (default 7)")
     args = p.parse_args(argv)
     args.stress = args.stress or args.stress_only
     if not 32 <= args.batch <= 64:
@@ -402,15 +403,16 @@ def block_lines(rows: list[dict], summary: dict) -> list[str]:
 
 
 def stress(args) -> dict:
-    """Dense against R-KV at the stress budget (B = 56, the config's window and interval) at equal batch:
-    the warm-started built-in model, 8 prompts x 8 samples of the default pointer-walk task, per-row
-    seeds, EOS off (every row decodes the task's max_new_tokens). One untimed run each, then
-    `--repeats` pairs (dense, sparse) back to back; per decode step = rollout_seconds / steps."""
+    """Dense against every KV policy at the stress budget (B = 56, the config's window and interval) at
+    equal batch: the warm-started built-in model, 8 prompts x 8 samples of the default pointer-walk task,
+    per-row seeds, EOS off (every row decodes the task's max_new_tokens). One untimed run each, then
+    `--repeats` rounds (dense, then each policy) back to back; per decode step = rollout_seconds / steps."""
     import statistics
 
     from sparserl.config.schema import load_config
     from sparserl.model.loading import load_policy
     from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+    from sparserl.rollout.kv_policies import POLICIES
     from sparserl.rollout.scheduler import request_seed
     from sparserl.tasks.registry import max_new_tokens, task_from_config
 
@@ -423,8 +425,9 @@ def stress(args) -> dict:
     seeds = [request_seed(args.seed, i) for i in range(len(prompts))]
     sampling = SamplingConfig(steps, 1.0, None, tokenizer.pad_token_id, prompt_width=max(len(p) for p in prompts))
     comp = KVCompression("rkv", budget=56, window=config.rollout.kv_window, interval=config.rollout.kv_interval)
-    engines = {"dense": RolloutEngine(model, record_evictions=False),
-               "rkv": RolloutEngine(model, comp, record_evictions=False)}
+    engines = {"dense": RolloutEngine(model, record_evictions=False)}
+    for policy in sorted(POLICIES, key=lambda name: name != "rkv"):
+        engines[policy] = RolloutEngine(model, dataclasses.replace(comp, policy=policy), record_evictions=False)
     runs: dict[str, list] = {name: [] for name in engines}
     torch.set_num_threads(args.threads)
     for name, engine in engines.items():
@@ -434,30 +437,33 @@ def stress(args) -> dict:
             gc.collect()
             batch = engine.generate(prompts, sampling, seeds=seeds)
             runs[name].append((batch.rollout_seconds, batch.kv.compress_seconds))
-    ratios = [s[0] / d[0] for d, s in zip(runs["dense"], runs["rkv"])]
-    shares = [c / t for t, c in runs["rkv"]]
 
-    def per_step(name):
-        values = [t / steps * 1e3 for t, _ in runs[name]]
-        return statistics.median(values), min(values), max(values)
+    def figures(name):
+        per_step = [t / steps * 1e3 for t, _ in runs[name]]
+        ratios = [s[0] / d[0] for d, s in zip(runs["dense"], runs[name])]
+        return {"ms_per_step": (statistics.median(per_step), min(per_step), max(per_step)),
+                "ratio": statistics.median(ratios), "ratio_spread": (min(ratios), max(ratios)),
+                "compress_share": statistics.median(c / t for t, c in runs[name]),
+                "compress_ms_per_step": statistics.median(c / steps * 1e3 for _, c in runs[name])}
 
     return {"steps": steps, "rows": len(prompts), "budget": comp.budget, "window": comp.window,
-            "interval": comp.interval, "repeats": args.repeats, "dense_ms_per_step": per_step("dense"),
-            "rkv_ms_per_step": per_step("rkv"), "ratio": statistics.median(ratios),
-            "ratio_spread": (min(ratios), max(ratios)), "compress_share": statistics.median(shares),
-            "compress_ms_per_step": statistics.median(c / steps * 1e3 for _, c in runs["rkv"])}
+            "interval": comp.interval, "repeats": args.repeats, "modes": {name: figures(name) for name in runs}}
 
 
 def stress_text(r: dict) -> str:
-    ok = r["ratio"] <= 1.05
-    return (f"Stress regime at equal batch (warm-started built-in model, {r['rows']} rows = 8 pointer-walk prompts x 8, "
-            f"EOS off, {r['steps']} decode steps, R-KV B = {r['budget']}, w {r['window']}, Δ {r['interval']}; "
-            f"medians of {r['repeats']} interleaved pairs, min-max in brackets):\n"
-            f"- dense {r['dense_ms_per_step'][0]:.2f} ms/step ({r['dense_ms_per_step'][1]:.2f}-{r['dense_ms_per_step'][2]:.2f}), "
-            f"rkv {r['rkv_ms_per_step'][0]:.2f} ms/step ({r['rkv_ms_per_step'][1]:.2f}-{r['rkv_ms_per_step'][2]:.2f}), "
-            f"of which compression {r['compress_ms_per_step']:.2f} ms/step ({r['compress_share']:.1%} of the rollout)\n"
-            f"- 6. sparse / dense per decode step ≤ 1.05×: **{'MET' if ok else 'NOT MET'}** "
-            f"({r['ratio']:.3f}×, pairs {r['ratio_spread'][0]:.3f}-{r['ratio_spread'][1]:.3f})")
+    lines = [f"Stress regime at equal batch (warm-started built-in model, {r['rows']} rows = 8 pointer-walk prompts x 8, "
+             f"EOS off, {r['steps']} decode steps, B = {r['budget']}, w {r['window']}, Δ {r['interval']}; "
+             f"medians of {r['repeats']} interleaved rounds, min-max in brackets):", "",
+             "| mode | ms / decode step | / dense | compression ms / step | compression share |", "|---|---|---|---|---|"]
+    for name, m in r["modes"].items():
+        step = m["ms_per_step"]
+        lines.append(f"| {name} | {step[0]:.2f} ({step[1]:.2f}-{step[2]:.2f}) | {m['ratio']:.3f} "
+                     f"({m['ratio_spread'][0]:.3f}-{m['ratio_spread'][1]:.3f}) | {m['compress_ms_per_step']:.2f} | "
+                     f"{m['compress_share']:.1%} |")
+    rkv = r["modes"]["rkv"]
+    lines.append(f"\n- 6. sparse (R-KV) / dense per decode step ≤ 1.05×: **{'MET' if rkv['ratio'] <= 1.05 else 'NOT MET'}** "
+                 f"({rkv['ratio']:.3f}×)")
+    return "\n".join(lines)
 
 
 def profile(args, spec: str) -> str:

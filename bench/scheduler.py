@@ -20,7 +20,10 @@ tokens, at the KV memory 32 dense rows reach: dense with requests joining freed 
 in waves of 32, and R-KV at B = 256 (window 8, interval 32) in the same bytes.
 Part 3, long responses (random built-in architecture with 8192 positions, 64-token prompts, EOS off,
 L = 4096): dense against R-KV at B = L/4 (window 8, interval L/32) at the KV memory 8 dense rows reach,
-32 requests. Skipped by --quick (about 8 minutes).
+where R-KV fits 28 rows. 56 requests (--long-requests): whole waves for both, 7 of 8 dense rows and 2
+of 28 compressed ones, as in the steady state of a large RL step; with 32 requests the compressed
+sampler's last 4 rows decode 4032 steps alone, which measures the leftover wave, not the sampler.
+Skipped by --quick (about 10 minutes).
 
 Every row reports rows in flight (S), cohorts (groups of requests that started together), peak KV measured from the buffers (never above the budget),
 the tokens generated, seconds (median of --repeats interleaved runs after one warm-up) and tokens/s.
@@ -51,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
     p.add_argument("--quick", action="store_true", help="parts 1 and 2 only")
+    p.add_argument("--long-requests", type=int, default=56, help="part 3's requests (56: whole waves for both)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -149,7 +153,7 @@ def part_two(args) -> dict[str, dict]:
     torch.manual_seed(args.seed)
     model = type(load_policy(None)[0])(builtin_model_config(97, max_position_embeddings=8192)).eval()
     generator = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(3, 97, (prompt,), generator=generator).tolist() for _ in range(32)]
+    prompts = [torch.randint(3, 97, (prompt,), generator=generator).tolist() for _ in range(args.long_requests)]
     sampling = SamplingConfig(length - prompt, 1.0, None, 0, prompt_width=prompt)
     dense = RolloutEngine(model, record_evictions=False)
     sparse = RolloutEngine(model, KVCompression("rkv", budget=length // 4, window=8,

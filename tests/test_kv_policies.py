@@ -192,6 +192,21 @@ def test_snapkv_matches_float64_loops(pooling, per_head):
     assert_valid_topk(kept, brute, inputs, 10, W)
 
 
+@pytest.mark.parametrize("policy", [SnapKV(kernel_size=5), RKV(kernel_size=3)], ids=["snapkv", "rkv"])
+def test_a_row_without_real_slots_scores_finite_and_leaves_the_others_exact(policy):
+    """A (row, head) with no real slot has nothing to rank: its scores are finite (the softmax's NaN is
+    zeroed) and the other row's scores are the float64 loop's."""
+    reference = make_inputs(seed=1)  # row 1's float64 scores depend on row 1 only
+    brute = brute_snapkv(reference, 5, "max") if isinstance(policy, SnapKV) else brute_rkv(reference, 0.1, 0.5, 3, "max")
+    inputs = make_inputs(seed=1)
+    inputs.real[0] = False
+    score = policy.score(inputs)
+    assert torch.isfinite(score).all()
+    for h in range(HKV):
+        for slot in range(PAD_LEFT, L):
+            assert score[1, h, slot].item() == pytest.approx(brute[1][h][slot], abs=1e-5)
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("lam,threshold", [(0.1, 0.5), (0.6, 0.2)])
 def test_rkv_matches_float64_loops(per_head, lam, threshold):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .attention import masked_attention
 from .block_sparse import BlockSelector, BlockSparsity
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
-from .kv_policies import KVPolicy, ScoringInputs, select_slots
+from .kv_policies import KVPolicy, ScoringInputs, additive_mask, select_slots
 from .token_draws import draw_tokens, row_uniforms
 
 
@@ -74,11 +74,12 @@ class RolloutAttention:
     def _accumulate_mass(self, layer_idx, query, key, mask) -> None:
         batch, q_heads, q_len, dim = query.shape
         kv_heads = key.shape[1]
-        grouped = query.reshape(batch, kv_heads, q_heads // kv_heads * q_len, dim)
+        group = q_heads // kv_heads
+        grouped = query.reshape(batch, kv_heads, group * q_len, dim)
         logits = grouped @ key.transpose(-1, -2) / dim ** 0.5
-        visible = mask if mask.shape[1] == kv_heads else mask.expand(-1, kv_heads, -1, -1)
-        visible = visible.repeat(1, 1, q_heads // kv_heads, 1)
-        probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+        # The mask [N, Hm, Q, K] broadcast over the group (no repeated copy of it).
+        logits.view(batch, kv_heads, group, q_len, -1).add_(additive_mask(mask)[:, :, None])
+        probs = logits.softmax(dim=-1).nan_to_num_(0.0)
         received = probs.sum(dim=2)  # [N, Hkv, K]
         previous = self.mass.get(layer_idx)
         if previous is not None:

@@ -102,10 +102,22 @@ class ScoringInputs:
             self._all_real = host_reads_are_cheap(self.real) and bool(self.real.all())
         return self._all_real
 
+    def every_row_real(self) -> bool:
+        """Every (row, selection head) holds at least one real slot (known where asking is free, as `all_real`)."""
+        if getattr(self, "_every_row_real", None) is None:
+            self._every_row_real = host_reads_are_cheap(self.real) and bool(self.real.any(dim=-1).all())
+        return self._every_row_real
+
     def all_queries_real(self) -> bool:
         if getattr(self, "_all_queries_real", None) is None:
             self._all_queries_real = host_reads_are_cheap(self.query_real) and bool(self.query_real.all())
         return self._all_queries_real
+
+
+def additive_mask(keep: torch.Tensor) -> torch.Tensor:
+    """Float32 0 where `keep`, -inf elsewhere. Added to logits it gives a masked_fill_'s values, and where
+    it broadcasts (over query heads, a window) it is several times faster on a CPU."""
+    return torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
 def host_reads_are_cheap(tensor: torch.Tensor) -> bool:
@@ -215,7 +227,6 @@ class SnapKV(KVPolicy):
         queries = inputs.queries.to(device=keys.device, dtype=torch.float32)
         n, hkv, length, dim = keys.shape
         hq, w = queries.shape[1], queries.shape[2]
-        real, _ = inputs.per_kv_head()
         # Query head h reads KV head h // group (GQA), so group the queries under their KV head.
         grouped = queries.view(n, hkv, hq // hkv, w, dim)
         # In place on the fresh products (the same kernels, so the same values as out of place); masks
@@ -224,9 +235,10 @@ class SnapKV(KVPolicy):
         logits = torch.matmul(grouped.reshape(n, hkv, hq // hkv * w, dim), keys.transpose(-1, -2))
         logits = logits.view(n, hkv, hq // hkv, w, length).div_(dim ** 0.5)
         if not inputs.all_real():
-            logits.masked_fill_(~real[:, :, None, None, :], float("-inf"))
-        # A row with no real slot softmaxes to NaN; it has nothing to rank, so zero it.
-        probs = logits.softmax(dim=-1).nan_to_num_(0.0)
+            logits.add_(additive_mask(inputs.real)[:, :, None, None, :])
+        probs = logits.softmax(dim=-1)
+        if not inputs.every_row_real():  # a row with no real slot softmaxes to NaN: nothing to rank, so zero
+            probs.nan_to_num_(0.0)
         if not inputs.all_queries_real():
             probs.mul_(inputs.query_real.to(probs)[:, None, None, :, None])
         summed = probs.sum(dim=3)  # [N, Hkv, group, L]
