@@ -32,6 +32,7 @@ together.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ from .engine import RolloutBatch, RolloutEngine, SamplingConfig, decoder_layers,
 from .kv_cache import BufferCache, KVStats, build_cache
 from .speculative_drafts import WindowDraft, build_draft
 from .speculative_stats import AdaptiveDraftLength, SpeculationStats
-from .token_draws import draw_tokens, row_uniforms, stream_seeds
+from .token_draws import draw_tokens, processed_logprobs, row_uniforms, stream_seeds
 
 # Counter streams of a row's seed besides the draws' own: the acceptance tests and the residual draws.
 _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5DEECE66D, 0x2545F4914F6CDD1D
@@ -196,12 +197,16 @@ class SpeculativeSampler:
         offsets = torch.arange(gamma + 1, device=emitted.device)
         tokens = torch.stack([pending, *drafts], dim=1)  # [A, γ+1]
         logits = forward(tokens, width + fed + offsets, live[:, None].expand(-1, gamma + 1))
-        dense_draws, _, dense_logp = draw_tokens(logits.flatten(0, 1), temperature, None,
-                                             row_uniforms(seeds[:, None], emitted[:, None] + offsets).flatten())
-        dense_draws = dense_draws.view(-1, gamma + 1)
-        dense_logp = dense_logp.view(*tokens.shape, -1)  # [A, γ+1, V]
+        dense_logp = processed_logprobs(logits.flatten(0, 1), temperature).view(*tokens.shape, -1)  # [A, γ+1, V]
+
+        def dense_draw(position: torch.Tensor) -> torch.Tensor:
+            """p's own draw at round position `position [A]` of each row: only the position a row stops at
+            needs one, so the float64 inverse CDF runs once per row, not γ + 1 times."""
+            at_position = logits[torch.arange(len(position), device=position.device), position]
+            return draw_tokens(at_position, temperature, None, row_uniforms(seeds, emitted + position))[0]
+
         chosen, accepted = _accept(tokens[:, 1:], torch.stack(draft_logps, dim=1) if gamma else None, dense_logp,
-                                   dense_draws, seeds, emitted, temperature)
+                                   dense_draw, seeds, emitted, temperature)
         advance = torch.where(live, accepted + 1, 0)
         logprobs = _dense_logprobs(logits, chosen, temperature, state.logprob_dtype)
         advance = state.emit(chosen, advance, logprobs, sampling.eos_token_id)
@@ -224,18 +229,21 @@ class SpeculativeSampler:
 
 
 def _accept(drafts: torch.Tensor, draft_logp: torch.Tensor | None, dense_logp: torch.Tensor,
-            dense_draws: torch.Tensor, seeds: torch.Tensor, emitted: torch.Tensor, temperature: float):
+            dense_draw: Callable[[torch.Tensor], torch.Tensor], seeds: torch.Tensor, emitted: torch.Tensor,
+            temperature: float):
     """The round's tokens `[A, γ+1]` (the first `accepted + 1` of each row count) and `accepted [A]`.
 
-    drafts `[A, γ]`, draft_logp (q) `[A, γ, V]`, dense_logp (p) `[A, γ+1, V]`, dense_draws `[A, γ+1]`
-    (p's own draw at each position, from the same uniforms as the drafts), emitted `[A]` tokens so far.
+    drafts `[A, γ]`, draft_logp (q) `[A, γ, V]`, dense_logp (p) `[A, γ+1, V]`, `dense_draw(position [A])`
+    p's own draw at that round position of each row (from the same uniforms as the drafts), emitted `[A]`
+    tokens so far.
     """
     rows, gamma = drafts.shape[0], drafts.shape[1]
     positions = emitted[:, None] + torch.arange(gamma + 1, device=emitted.device)
     if gamma == 0:
-        return dense_draws, torch.zeros(rows, dtype=torch.long, device=drafts.device)
+        accepted = torch.zeros(rows, dtype=torch.long, device=drafts.device)
+        return dense_draw(accepted)[:, None], accepted
     if temperature <= 0:
-        agree = drafts == dense_draws[:, :gamma]
+        agree = drafts == dense_logp[:, :gamma].argmax(dim=-1)  # p's greedy draws
     else:
         ratio = (dense_logp[:, :gamma].gather(2, drafts[..., None]) - draft_logp.gather(2, drafts[..., None])).exp()
         tests = row_uniforms(stream_seeds(seeds, _ACCEPT_STREAM)[:, None], positions[:, :gamma])
@@ -243,7 +251,7 @@ def _accept(drafts: torch.Tensor, draft_logp: torch.Tensor | None, dense_logp: t
     accepted = agree.long().cumprod(dim=1).sum(dim=1)
     # The token at the first rejection (or the bonus): p's draw when every draft passed (or greedy),
     # else a draw from the residual max(0, p − q), normalised.
-    final = dense_draws.gather(1, accepted[:, None]).squeeze(1)
+    final = dense_draw(accepted)
     if temperature > 0:
         at = accepted.clamp(max=gamma - 1)[:, None, None].expand(-1, 1, dense_logp.shape[2])
         residual = (dense_logp.gather(1, at).exp() - draft_logp.gather(1, at).exp()).squeeze(1).clamp(min=0)

@@ -11,12 +11,10 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
                 draws: torch.Tensor | None = None):
     """Token `[N]`, its log-prob `[N]` and the whole log-distribution `[N, V]` it was drawn from.
     `draws`: one uniform per row `[N]` (float64), inverted through the row's CDF; else `generator`."""
-    logits = logits.float()
+    logp = processed_logprobs(logits, temperature)
     if temperature <= 0:
-        logp = torch.log_softmax(logits, dim=-1)
         token = logp.argmax(dim=-1)
     else:
-        logp = torch.log_softmax(logits / temperature, dim=-1)
         if draws is not None:
             cdf = logp.double().exp().cumsum(dim=-1)
             # right=True: the first token whose CDF passes the draw, so tokens of probability 0 are never drawn.
@@ -25,6 +23,12 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
         else:
             token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
     return token, logp.gather(1, token[:, None]).squeeze(1), logp
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The distribution `draw_tokens` draws from, as float32 log-probs `[..., V]`: logits / T (greedy: T = 1)."""
+    logits = logits.float()
+    return torch.log_softmax(logits if temperature <= 0 else logits / temperature, dim=-1)
 
 
 # splitmix64's constants as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
