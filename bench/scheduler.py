@@ -23,7 +23,7 @@ L = 4096): dense against R-KV at B = L/4 (window 8, interval L/32) at the KV mem
 where R-KV fits 28 rows. 56 requests (--long-requests): whole waves for both, 7 of 8 dense rows and 2
 of 28 compressed ones, as in the steady state of a large RL step; with 32 requests the compressed
 sampler's last 4 rows decode 4032 steps alone, which measures the leftover wave, not the sampler.
-Skipped by --quick (about 10 minutes).
+Skipped by --quick (about 6 minutes).
 
 Every row reports rows in flight (S), cohorts (groups of requests that started together), peak KV measured from the buffers (never above the budget),
 the tokens generated, seconds (median of --repeats interleaved runs after one warm-up) and tokens/s.
