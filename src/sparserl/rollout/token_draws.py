@@ -14,14 +14,13 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     logp = processed_logprobs(logits, temperature)
     if temperature <= 0:
         token = logp.argmax(dim=-1)
+    elif draws is not None:
+        cdf = logp.double().exp().cumsum(dim=-1)
+        # right=True: the first token whose CDF passes the draw, so tokens of probability 0 are never drawn.
+        token = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
+        token = token.clamp_(max=logp.shape[-1] - 1)
     else:
-        if draws is not None:
-            cdf = logp.double().exp().cumsum(dim=-1)
-            # right=True: the first token whose CDF passes the draw, so tokens of probability 0 are never drawn.
-            token = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
-            token = token.clamp_(max=logp.shape[-1] - 1)
-        else:
-            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
     return token, logp.gather(1, token[:, None]).squeeze(1), logp
 
 
