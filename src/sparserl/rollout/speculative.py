@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.forward import logit_scale
 from .acceptance import acceptance_rate
 from .attention import masked_attention
 from .block_sparse import BlockSparsity
@@ -274,7 +275,7 @@ def _dense_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
                     dtype: torch.dtype) -> torch.Tensor:
     """Log-probs `[A, Q]` of `tokens [A, Q]` under the processed dense distributions `logits [A, Q, V]`
     (temperature applied; greedy records the plain softmax, as the engine does)."""
-    scaled = logits.to(dtype) / temperature if temperature > 0 else logits.to(dtype)
+    scaled = logits.to(dtype) / logit_scale(temperature)
     return scaled.gather(2, tokens[..., None]).squeeze(2) - scaled.logsumexp(dim=2)
 
 

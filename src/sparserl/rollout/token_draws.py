@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..model.forward import logit_scale
+
 
 def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
                 draws: torch.Tensor | None = None):
@@ -25,9 +27,9 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The distribution `draw_tokens` draws from, as float32 log-probs `[..., V]`: logits / T (greedy: T = 1)."""
-    logits = logits.float()
-    return torch.log_softmax(logits if temperature <= 0 else logits / temperature, dim=-1)
+    """The distribution `draw_tokens` draws from, as float32 log-probs `[..., V]`: logits / T (greedy: T = 1,
+    `logit_scale`; dividing by 1 changes no bit)."""
+    return torch.log_softmax(logits.float() / logit_scale(temperature), dim=-1)
 
 
 # splitmix64's constants as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
