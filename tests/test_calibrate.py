@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -30,6 +31,7 @@ def test_calibrate_then_eval_with_the_schedule(tmp_path, capsys):
     assert schedule["budgets"] == sorted(schedule["budgets"])
     # On the calibration prompts the chosen schedule holds the tail in every bin it could rescue.
     calibration = json.loads((out / "calibration.json").read_text())
+    assert len(calibration["unmet_bins"]) < len(calibration["schedule_tails"])  # some bins were rescued
     assert all(tail >= 0.86 for start, tail in calibration["schedule_tails"].items()
                if int(start) not in calibration["unmet_bins"])
     result_file = tmp_path / "eval.json"
@@ -113,3 +115,33 @@ def test_recalibration_during_training_sets_the_schedule_and_resumes_exactly(tin
     with pytest.raises(ValueError, match="choose one"):
         from sparserl.config.schema import load_config
         load_config(overrides={"mode": "naive-sparse", "recalibrate_every": 2, "kv_schedule": "adaptive"})
+
+
+def test_recalibration_measures_the_sampler_with_its_distill_sparse_adapter():
+    """Training samples with DistillSparse's adapter on, so the calibration must too: at budgets that never
+    bind, the plain policy's sparse sampler is the dense one (α = 1), and only the adapter moves the tails."""
+    import torch
+    from conftest import make_tiny_model
+
+    from sparserl.config.schema import load_config
+    from sparserl.rollout.adapter import AdapterConfig, SamplerAdapter
+    from sparserl.tasks.registry import task_from_config
+    from sparserl.train.calibration import calibrate_schedule
+
+    model, tokenizer = make_tiny_model(seed=3)
+    adapter = SamplerAdapter(model, AdapterConfig(rank=2))
+    with torch.no_grad():
+        for name, parameter in adapter.parameters.items():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    rollout = load_config(None, {"difficulty": 3}).rollout
+    examples = task_from_config(load_config(None, {"difficulty": 3}).task, tokenizer).examples(4, seed=0)
+
+    def calibrate(context):
+        return calibrate_schedule(model.eval(), tokenizer, 12, rollout, examples, [4096], tau=0.86, bin_size=4,
+                                  samples=2, seed=0, progress=False, sampler_context=context).fixed_tails[4096]
+
+    plain = calibrate(contextlib.nullcontext)
+    adapted = calibrate(adapter.active)
+    assert plain and all(tail == pytest.approx(1.0, abs=1e-5) for tail in plain.values())
+    assert min(adapted.values()) < 0.99

@@ -189,7 +189,8 @@ def test_eval_dense(tiny_model_dir, tmp_path, capsys):
     _check_headline(result["dense"], 2)
     for key in ("accuracy", "max_prompt_tokens", "max_total_tokens", "mean_response_tokens"):
         assert result[key] == result["dense"][key]
-    assert "kv" not in result["dense"]
+    kv = result["dense"]["kv"]  # dense inference reports its memory too, to set against sparse
+    assert kv["sparsity"] == "dense" and 0 < kv["kv_peak_bytes"] == kv["kv_dense_bytes"] and kv["rows_in_flight"] == 4
     # stdout is JSON too (the non-nested part), one entry per inference asked for.
     printed = json.loads(capsys.readouterr().out)
     assert list(printed) == ["dense"] and printed["dense"]["accuracy"] == result["accuracy"]

@@ -254,8 +254,7 @@ def test_edge_cases_sample_as_all_at_once(tiny64, case):
     whole = engine.generate(prompts, sampling, seeds=_seeds(7))
     joined = engine.generate(prompts, sampling, seeds=_seeds(7), max_rows=rows)
     _same_samples(joined, whole, distributions=record)
-    if sampling.temperature in (0.0, 1.0):  # the replay's log-probs are the plain softmax
-        _replays(model, joined)
+    _replays(model, joined)  # every case samples at T = 1 or greedily: both record the plain softmax
     if case == "one-token":
         assert joined.response_ids.shape[1] == 1 and joined.kv.compressions == 0
 

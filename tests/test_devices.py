@@ -17,9 +17,13 @@ from sparserl.model.loading import resolve_device
 from sparserl.train.metrics import read_metrics
 
 
-def test_device_resolution():
+def test_device_resolution(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="not a device"):
         resolve_device("gpu0")
     if not torch.cuda.is_available():

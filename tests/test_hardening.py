@@ -173,6 +173,8 @@ def test_a_bad_line_inside_the_metrics_names_the_file_and_line(tmp_path):
     (["--mode", "sparrow", "--kv-schedule", "adaptive", "--recalibrate-every", "2"], ["--recalibrate-every", "choose one"]),
     (["--mode", "dense", "--distill-sparse", "true"], ["--distill-sparse needs sparse rollouts"]),
     (["--kv-schedule", "/nonexistent/schedule.yaml"], ["--kv-schedule", "/nonexistent/schedule.yaml"]),
+    (["--reward-weights", "one"], ["--reward-weights", "'one' is not a finite number"]),
+    (["--reward-weights", "nan"], ["--reward-weights", "'nan' is not a finite number"]),
 ])
 def test_bad_settings_are_refused_at_load(tiny_model_dir, tmp_path, capsys, extra, needles):
     out = tmp_path / "run"

@@ -70,6 +70,28 @@ def test_two_workers_equal_in_process_shards_with_distill_sparse_and_resume(loca
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_built_in_model_samples_on_workers_as_in_process(local_ray, tmp_path):
+    """The shipped model, default threads: its weights load from the package's safetensors file in the
+    driver and from the object store in a worker, and the two still sample bit for bit."""
+    common = {"out": None, "mode": "sparse-rl", "seed": 5, "prompts_per_step": 4, "eval_every": 0,
+              "log_with": "none"}
+    assert main(_argv({**common, "out": str(tmp_path / "local"), "rollout_shards": 2}, 2)) == 0
+    assert main(_argv({**common, "out": str(tmp_path / "workers"), "rollout_workers": 2}, 2)) == 0
+    assert _comparable(tmp_path / "local") == _comparable(tmp_path / "workers")
+
+
+def test_a_worker_samples_with_the_drivers_thread_count(local_ray, tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(load_config(None, _settings(tiny_model_dir, tmp_path / "run", rollout_workers=2,
+                                                      threads=2)))
+    try:
+        counts = ray.get([w.__ray_call__.remote(lambda worker: torch.get_num_threads())
+                          for w in trainer.rollouts.workers])
+    finally:
+        trainer.rollouts.close()
+        torch.set_num_threads(1)  # the trainer set the process's count: the other tests run on one
+    assert counts == [2, 2]
+
+
 def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model_dir, tmp_path):
     def _optimizers_held(worker) -> tuple[bool, int]:
         """In a worker (nested, so that Ray ships it by value): whether it holds the adapter, and

@@ -197,3 +197,20 @@ def test_a_missing_file_is_named(model_copy, remove, needle):
     for name in remove:
         (model_copy / name).unlink()
     assert needle in _load_error(model_copy)
+
+
+def test_a_loaded_model_computes_the_bits_of_a_fresh_copy_of_its_weights():
+    """safetensors hands out tensors at their offsets in the file; a CPU's matmul kernels round misaligned
+    operands differently, so the shipped model, loaded, once sampled 1e-6 apart from a Ray worker's copy of
+    the same weights in fresh memory. Loading moves every tensor into aligned memory of its own."""
+    from transformers import AutoModelForCausalLM
+
+    from sparserl.model.loading import ALIGNMENT_BYTES, load_policy
+
+    model, _ = load_policy(None)
+    assert all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in (*model.parameters(), *model.buffers()))
+    copy = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    copy.load_state_dict(model.state_dict())
+    ids = torch.randint(1, model.config.vocab_size, (64, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, copy(input_ids=ids).logits)

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from sparserl.cli import main
-from sparserl.rewards.runner import RewardRunner
+from sparserl.rewards.runner import RewardError, RewardFunction, RewardRunner
 from sparserl.tasks.base import reward_columns
 from sparserl.tasks.math_jsonl import MathJsonlTask
 from sparserl.tasks.registry import build_task
@@ -101,6 +101,43 @@ def test_every_lost_score_is_counted_per_function_and_in_all(caplog):
     assert hung(prompts=["p"] * 2, completions=["hang", "ok"], completion_ids=[[1]] * 2) == [0.0, 1.0]
     counts = hung.pop_counts()
     assert counts["reward_timeouts"] == counts["reward_task_timeouts"] == 1 and counts["reward_failures"] == 0
+
+
+def _length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_last_scores_are_each_functions_own_scores_of_the_last_call():
+    runner = RewardRunner([RewardFunction("task", _dies_on_some, 1.0), RewardFunction("length", _length, 0.5)],
+                          timeout_s=5.0, max_failure_frac=0.9)
+    assert runner.last_scores == {}
+    total = runner(prompts=["p"] * 3, completions=["ok", "die", "okay"], completion_ids=[[1]] * 3)
+    # task: 1, 0 (its worker died), 1; length: 2, 3, 4; the total weighs length by 0.5.
+    assert runner.last_scores == {"task": [1.0, 0.0, 1.0], "length": [2.0, 3.0, 4.0]}
+    assert total == [2.0, 1.5, 3.0]
+    runner.last_scores["task"][0] = 9.0  # a copy: the record cannot be changed from outside
+    assert runner.last_scores["task"] == [1.0, 0.0, 1.0]
+    runner(prompts=["p"], completions=["x"], completion_ids=[[1]])
+    assert runner.last_scores == {"task": [1.0], "length": [1.0]}  # the last call only
+
+
+@pytest.mark.parametrize("weights, message", [
+    ("1,abc", "'abc' is not a finite number"), ("nan,1", "'nan' is not a finite number"),
+    ("1,-inf", "'-inf' is not a finite number"), ("1", "has 1 values for 2 reward functions"),
+])
+def test_reward_weights_are_one_finite_number_per_function(weights, message):
+    with pytest.raises(RewardError, match=f"--reward-weights.*{message}"):
+        RewardRunner.from_spec("task,os.path:getsize", weights, _length)
+
+
+def test_reward_weights_may_be_any_finite_numbers():
+    runner = RewardRunner.from_spec("task,os.path:getsize", " 1 , -0.5", _length)
+    assert [(f.name, f.weight) for f in runner.functions] == [("task", 1.0), ("getsize", -0.5)]
+
+
+def test_two_reward_functions_of_one_name_are_refused():
+    with pytest.raises(RewardError, match="names two functions 'getsize'"):
+        RewardRunner.from_spec("os.path:getsize,genericpath:getsize", "", _length)
 
 
 def _train_args(model_dir, out, *task_args):

@@ -29,7 +29,7 @@ def test_every_row_of_a_step_has_its_own_seed_whatever_the_shards():
     assert len(seeds) == 800 and all(0 <= s < 2 ** 63 for s in seeds)
 
 
-def _batch(prompt_rows, response_rows, logprob):
+def _batch(prompt_rows, response_rows, logprob, peak=10, rows_in_flight=0):
     """A hand-written batch: prompts left-padded with 0, responses right-padded with 0."""
     width = max(map(len, prompt_rows))
     span = max(map(len, response_rows))
@@ -41,21 +41,25 @@ def _batch(prompt_rows, response_rows, logprob):
                         prompt_lengths=torch.tensor([len(p) for p in prompt_rows]),
                         response_lengths=torch.tensor([len(r) for r in response_rows]),
                         ended=torch.tensor([True] * len(prompt_rows)), rollout_seconds=1.0,
-                        kv=KVStats(kv_peak_bytes=10, kv_dense_bytes=20, compressions=1,
+                        kv=KVStats(kv_peak_bytes=peak, kv_dense_bytes=2 * peak, compressions=1,
+                                   rows_in_flight=rows_in_flight or len(prompt_rows),
                                    kept_tokens=torch.ones(len(prompt_rows)),
                                    evicted_tokens=torch.zeros(len(prompt_rows))))
 
 
 def test_merged_shards_are_padded_to_the_widest_prompt_and_response():
-    a = _batch([[5, 6, 7]], [[8]], -1.0)
-    b = _batch([[9], [3, 4]], [[2, 2, 2], [1]], -2.0)
+    a = _batch([[5, 6, 7]], [[8]], -1.0, peak=10)
+    b = _batch([[9], [3, 4]], [[2, 2, 2], [1]], -2.0, peak=15)
     merged = concat_rollouts([a, b], pad_token_id=0)
     assert merged.prompt_ids.tolist() == [[5, 6, 7], [0, 0, 9], [0, 3, 4]]
     assert merged.prompt_mask.tolist() == [[True] * 3, [False, False, True], [False, True, True]]
     assert merged.response_ids.tolist() == [[8, 0, 0], [2, 2, 2], [1, 0, 0]]
     assert merged.sampler_logprobs.tolist() == [[-1, 0, 0], [-2, -2, -2], [-2, 0, 0]]
     assert merged.response_lengths.tolist() == [1, 3, 1] and merged.prompt_lengths.tolist() == [3, 1, 2]
-    assert merged.kv.kv_peak_bytes == 20 and merged.kv.kv_dense_bytes == 40 and merged.kv.compressions == 2
+    # Memory figures are per sampler: the shards ran one after the other (or each on a worker of its own),
+    # so the most held at once is the larger shard's, not the sum; counts add up.
+    assert merged.kv.kv_peak_bytes == 15 and merged.kv.kv_dense_bytes == 30 and merged.kv.rows_in_flight == 2
+    assert merged.kv.compressions == 2
     assert merged.kv.kept_tokens.tolist() == [1, 1, 1]
     assert concat_rollouts([a], pad_token_id=0) is a
 

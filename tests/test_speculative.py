@@ -242,11 +242,12 @@ def test_adaptive_draft_length_follows_the_acceptance_rate():
 def test_adaptive_sampler_and_metrics(model):
     sampling = SamplingConfig(max_new_tokens=30, temperature=1.0)
     sampler = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens="adaptive")
-    sampler.generate(_prompts(4), sampling, [1, 2, 3, 4])
+    batch = sampler.generate(_prompts(4), sampling, [1, 2, 3, 4])
     metrics = sampler.take_metrics()
     assert 1 <= metrics["spec_gamma_mean"] <= 8
     assert 0 < metrics["spec_acceptance_rate"] < 1 and metrics["spec_tokens_per_verification"] > 1
-    assert metrics["spec_draft_s"] > 0 and metrics["spec_verify_s"] > 0
+    # Drafting and verifying are parts of the rollout, each timed once.
+    assert 0 < metrics["spec_draft_s"] + metrics["spec_verify_s"] <= batch.rollout_seconds
     assert any(k.startswith("spec_acceptance_len_") for k in metrics) and "spec_alpha_mean" in metrics
     assert sampler.take_metrics() == {}
 

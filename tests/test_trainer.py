@@ -267,7 +267,8 @@ def test_block_sparse_training_with_distill_sparse_replays_the_pages(tiny_model_
     assert main(_args(tiny_model_dir, out, 2, "sparse-tis", block)) == 0
     steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
     assert all(r["kv_attended_frac"] < 0.9 and r["kv_peak_frac"] >= 1.0 and r["kv_compressions"] == 0 for r in steps)
-    assert all(r["distill_logp_gap"] >= 0 and r["distill_grad_norm"] > 0 for r in steps)
+    # The replay reproduces the block-sparse sampler, which reads fewer keys than the dense policy: they differ.
+    assert all(r["distill_logp_gap"] > 0 and r["distill_grad_norm"] > 0 for r in steps)
 
 
 def test_a_sudden_slow_step_is_said_in_one_line():
@@ -278,3 +279,18 @@ def test_a_sudden_slow_step_is_said_in_one_line():
     message = slow_step_message([1.0, 1.2, 0.9, 1.1], 13.0, 5)
     assert message is not None and "\n" not in message
     assert "13.0 s, 12.4x this run's median step (1.1 s)" in message and "--threads 1" in message
+
+
+def test_accuracy_is_the_tasks_own_verdict_not_the_weighted_reward(tiny_model_dir, tmp_path):
+    """A format bonus beside the task's reward lifts the reward, never the accuracy: a random model solves
+    nothing, so every response's weighted reward is its bonus (1) and its accuracy 0. Without the task in the
+    list, the task's reward is scored anyway (weight 0) for the accuracy."""
+    bonus = tmp_path / "bonus.py"
+    bonus.write_text("def always(completions, **_):\n    return [1.0] * len(completions)\n")
+    for name, funcs, weights in (("both", f"task,{bonus}:always", "1,1"), ("bonus", f"{bonus}:always", "1")):
+        out = tmp_path / name
+        assert main(_args(tiny_model_dir, out, 1, extra=["--reward-funcs", funcs, "--reward-weights", weights,
+                                                          "--eval-every", "0"])) == 0
+        record = read_metrics(out / "metrics.jsonl")[-1]
+        assert record["reward_task_mean"] == 0 and record["reward_always_mean"] == 1
+        assert record["reward_mean"] == 1 and record["accuracy"] == 0

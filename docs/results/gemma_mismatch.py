@@ -19,10 +19,11 @@ import torch  # noqa: E402
 
 from sparserl.config.corrections import CorrectionConfig  # noqa: E402
 from sparserl.config.schema import TaskConfig  # noqa: E402
-from sparserl.learner.alpha import bin_tails, rollout_alpha_metrics  # noqa: E402
+from sparserl.learner.alpha import rollout_alpha_metrics  # noqa: E402
 from sparserl.learner.corrections import compute_corrections  # noqa: E402
 from sparserl.model.forward import batched_logprobs  # noqa: E402
 from sparserl.model.loading import load_policy, sampling_generator  # noqa: E402
+from sparserl.rollout.acceptance import bin_tails  # noqa: E402
 from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig  # noqa: E402
 from sparserl.tasks.registry import task_from_config  # noqa: E402
 

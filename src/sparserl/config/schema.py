@@ -80,7 +80,7 @@ class RolloutConfig:
     ray_address: str | None = None  # join this Ray cluster (e.g. auto or ray://host:10001); none: start a local one
     rollout_timeout: float = 600.0  # seconds a worker may take for one shard before it is replaced and the shard retried
     worker_gpus: float = 0.0  # GPUs each rollout worker asks Ray for on a CUDA device (fractions colocate); 0 = 1 / rollout_workers
-    worker_cpus: int = 1  # CPUs each rollout worker asks Ray for (its torch threads at most, when --threads is auto)
+    worker_cpus: int = 1  # CPUs each rollout worker asks Ray for; a worker samples with the driver's torch thread count (so its shards are bit for bit the in-process ones), so give it at least that many
     rollout_kv_memory: str | None = None  # KV memory for the rows in flight: a size (64MiB, 20GiB) or auto (90% of the memory free after the weights); each row reserves what its cache can reach, so a compressed sampler runs more rows in the same bytes; none: no limit
     max_concurrent_rows: int = 0  # the most rows decoding at once (0: the whole step, or what --rollout-kv-memory holds)
 

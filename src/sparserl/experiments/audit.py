@@ -23,6 +23,7 @@ import torch
 from ..errors import ConfigError
 from ..model.forward import positions_from_mask
 from ..rollout.engine import RolloutEngine, SamplingConfig, sparsity_from_config
+from ..rollout.kv_cache import KVStats
 from ..rollout.replay import replay_masks
 from ..rollout.scheduler import schedule_rollouts
 from ..tasks.pointer_walk import first_error_hop, needed_source
@@ -43,14 +44,17 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
     model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
     compression = sparsity_from_config(config.rollout)
     engine = RolloutEngine(model, compression, record_evictions=True)
+    limits = setup.limits.for_inference()
     sampling = SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=0.0,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              kv_memory_bytes=limits.kv_memory_bytes, max_rows=limits.max_rows)
     layers = model.config.num_hidden_layers
-    firsts, correct_values = [], []
+    firsts, correct_values, batches = [], [], []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         batch = schedule_rollouts(engine, [tokenizer(e.prompt).input_ids for e in chunk], sampling,
                                   seeds=[0] * len(chunk))  # greedy: the seeds draw nothing
+        batches.append(batch)
         texts = decode_responses(tokenizer, batch)
         ids, mask = batch.input_ids, batch.attention_mask
         dense_logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
@@ -93,7 +97,9 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
             firsts.append({"role": role, "char": limit, "hop": hop, "evicted_layers": evicted_layers(limit),
                            "xi": xi, "dense_argmax_right": int(dense_logp[row, column - 1].argmax()) == target,
                            "letters": example.extra["letters"], "hops": example.extra["hops"]})
-    return _summary(firsts, correct_values, layers, len(examples), dataclasses.asdict(compression))
+    kv = KVStats.merged([b.kv for b in batches], [len(b) for b in batches])
+    return {**_summary(firsts, correct_values, layers, len(examples), dataclasses.asdict(compression)),
+            "kv": kv.summary(sum(b.rollout_seconds for b in batches))}
 
 
 def _summary(firsts: list[dict], correct_values: list[int | None], layers: int, n: int, compression: dict) -> dict:
@@ -136,7 +142,9 @@ def audit_table(result: dict) -> str:
         else f"block-sparse attention, budget {c['budget']} in pages of {c['page_size']}, {c['dense_layers']} dense layers"
     return (f"{result['wrong']} of {result['examples']} greedy sparse rollouts deviate from the demonstration "
             f"({settings}; "
-            f"{result['layers']} layers).\n\n" + "\n".join(lines) +
+            f"{result['layers']} layers; peak KV {result['kv']['kv_peak_bytes'] / 2**20:.2f} MiB, "
+            f"{result['kv']['kv_peak_frac']:.0%} of dense, {result['kv']['rows_in_flight']} rows at once).\n\n"
+            + "\n".join(lines) +
             f"\n\nBaseline: where the sparse sampler wrote a value correctly ({result['correct_values']} values), "
             f"the link it needed had been evicted in all layers {pct(result['correct_values_needed_evicted_all_layers'])} "
             f"of the time, in some layer {pct(result['correct_values_needed_evicted_any_layer'])}.")

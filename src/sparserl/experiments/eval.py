@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UserError
 from ..rollout.engine import sparsity_from_config
+from ..rollout.scheduler import RowLimits
 from ..tasks.base import Example, Task
 from ..train.evaluation import evaluate_policy, task_rewards
 from ..train.layout import CHECKPOINT_DIR, CONFIG_FILE, POLICY_DIR
@@ -59,13 +60,15 @@ def config_for_eval(config_file: str | None, overrides: dict):
 
 @dataclass
 class HeldOut:
-    """What an inference-only command works on: the model in eval mode, its task, held-out examples."""
+    """What an inference-only command works on: the model in eval mode, its task, held-out examples, and
+    the limits on rows decoding at once (`--rollout-kv-memory`, `--max-concurrent-rows`)."""
 
     model: object
     tokenizer: object
     task: Task
     examples: list[Example]
     max_new_tokens: int
+    limits: RowLimits
 
 
 def held_out(config, n: int) -> HeldOut:
@@ -75,12 +78,12 @@ def held_out(config, n: int) -> HeldOut:
     from ..tasks.registry import max_new_tokens as response_bound
     from ..tasks.registry import task_from_config
 
-    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype),
-                                   resolve_device(config.model.device))
+    device = resolve_device(config.model.device)
+    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype), device)
     set_threads(config.model.threads, model)
     task = task_from_config(config.task, tokenizer)
     return HeldOut(model.eval(), tokenizer, task, task.examples(n, seed=config.train.seed, split="test"),
-                   response_bound(config.task, task))
+                   response_bound(config.task, task), RowLimits.from_rollout_config(config.rollout, device))
 
 
 def run_eval(config, n: int, samples: int, inference: str) -> dict:
@@ -96,7 +99,7 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
         rewards = task_rewards(config, task)
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                                config.rollout.temperature, config.train.seed, progress=True,
-                               alpha_bin_size=config.rollout.alpha_bin_size, rewards=rewards)
+                               alpha_bin_size=config.rollout.alpha_bin_size, rewards=rewards, limits=setup.limits)
         part.update({key: rewards.counts[key] for key in ("reward_failures", "reward_timeouts")})
         report[mode] = part
     headline = report[modes[0]]

@@ -29,7 +29,8 @@ from ..config.corrections import CorrectionConfig
 from ..learner.corrections import compute_corrections
 from ..model.forward import batched_logprobs
 from ..rollout.engine import KVCompression, sparsity_from_config
-from ..train.evaluation import complete, evaluate_policy, task_rewards
+from ..rollout.scheduler import RowLimits
+from ..train.evaluation import accuracy, complete, evaluate_policy, task_rewards
 from .eval import held_out
 
 
@@ -42,11 +43,12 @@ class RegimeRule:
 
 
 def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compression: KVCompression,
-                     samples: int, temperature: float, seed: int, micro_batch_size: int = 64) -> dict[str, float]:
+                     samples: int, temperature: float, seed: int, micro_batch_size: int = 64,
+                     limits: RowLimits = RowLimits()) -> dict[str, float]:
     """Veto and band rates of Sparse-RL's default filters, ξ's 1% quantile and sampled accuracy, on
     `samples` rollouts per example with the dense recompute as π_old."""
-    done = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                    seed=seed)
+    done = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, limits=limits,
+                    samples=samples, seed=seed)
     vetoed = banded = alive = rows = 0.0
     quantiles = []
     for batch in done.batches:
@@ -69,14 +71,15 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
     model, tokenizer, task, examples, bound = (setup.model, setup.tokenizer, setup.task, setup.examples,
                                                setup.max_new_tokens)
     rewards = task_rewards(config, task)
-    dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed, rewards=rewards)
+    dense = evaluate_policy(model, tokenizer, task, examples, bound, None, 0, 1.0, config.train.seed, rewards=rewards,
+                            limits=setup.limits)
     rows = []
     for budget in tqdm(budgets, desc="sweep", unit="budget"):
         compression = sparsity_from_config(dataclasses.replace(config.rollout, kv_budget=budget))
         sparse = evaluate_policy(model, tokenizer, task, examples, bound, compression, 0, 1.0, config.train.seed,
-                                 rewards=rewards)
+                                 rewards=rewards, limits=setup.limits)
         mismatch = sampled_mismatch(model, tokenizer, examples[:sample_prompts], bound, compression, samples,
-                                    config.rollout.temperature, config.train.seed)
+                                    config.rollout.temperature, config.train.seed, limits=setup.limits)
         sampled = mismatch.pop("_completions")
         hits = rewards.score_examples(examples[:sample_prompts], sampled.texts, sampled.ids, samples)
         kv = sparse["kv"]
@@ -85,11 +88,13 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
                      "kv_peak_frac": kv["kv_peak_frac"], "kv_kept_frac": kv["kv_kept_frac"],
                      "kv_attended_frac": kv["kv_attended_frac"],
                      "saved_frac": 1 - (kv["kv_attended_frac"] if kv["sparsity"] == "block" else kv["kv_peak_frac"]),
-                     "sampled_accuracy_sparse": sum(h >= 1.0 for h in hits) / max(len(hits), 1), **mismatch})
+                     "kv_peak_bytes": kv["kv_peak_bytes"], "rows_in_flight": kv["rows_in_flight"],
+                     "sampled_accuracy_sparse": accuracy(hits), **mismatch})
     settings = {key: value for key, value in kv.items() if key in ("sparsity", "policy", "window", "interval",
                                                                    "page_size", "dense_layers")}
     return {"model": config.model.model or "built-in", "task": task.name, "examples": n, "sparsity": settings,
-            "dense": {"accuracy": dense["accuracy"], "walk_exact": dense.get("walk_exact")},
+            "dense": {"accuracy": dense["accuracy"], "walk_exact": dense.get("walk_exact"),
+                      "kv_peak_bytes": dense["kv"]["kv_peak_bytes"], "rows_in_flight": dense["kv"]["rows_in_flight"]},
             "rows": rows, "rule": dataclasses.asdict(rule), **choose_regimes(rows, rule)}
 
 
@@ -119,6 +124,7 @@ def sweep_table(result: dict) -> str:
                      f"| {r['veto_frac']:.3f} | {r['band_frac']:.3f} | {r['xi_q01']:.2g} | {figures} | {mark} |")
     d = result["dense"]
     exact = "" if d["walk_exact"] is None else f", exact walks {100 * d['walk_exact']:.1f}%"
+    exact += f"; peak KV {d['kv_peak_bytes'] / 2**20:.2f} MiB with {d['rows_in_flight']} rows at once"
     described = (f"block-sparse attention, pages of {sparsity['page_size']}, the first {sparsity['dense_layers']} "
                  "layer(s) dense" if block else
                  f"policy {sparsity['policy']}, window {sparsity['window']}, interval {sparsity['interval']}")

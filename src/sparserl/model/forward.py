@@ -30,11 +30,12 @@ def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of the model's LM head (with its final soft-capping, if it has one)."""
-    logits = model.get_output_embeddings()(hidden).float()
+    """Float32 logits of the model's LM head, with its final soft-capping (Gemma-2/3), if it has one, taken as
+    the model's forward takes it (in the head's dtype, / cap, tanh, · cap): the logits the sampler drew from."""
+    logits = model.get_output_embeddings()(hidden)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cap = getattr(config, "final_logit_softcapping", None)
-    return cap * torch.tanh(logits / cap) if cap else logits
+    return (torch.tanh(logits / cap) * cap if cap else logits).float()
 
 
 def position_chunks(rows: int, positions: int, vocab: int) -> list[slice]:

@@ -113,9 +113,28 @@ def load_policy(path: str | None, dtype: torch.dtype = torch.float32, device: to
             error.add_note(f"(while loading the model in {directory})")
             raise
         raise explained from error
+    own_aligned_memory(model)
     prepare_tokenizer(tokenizer, model)
     model.config.use_cache = True
     return model, tokenizer
+
+
+# What a fresh torch allocation is aligned to on a CPU.
+ALIGNMENT_BYTES = 64
+
+
+@torch.no_grad()
+def own_aligned_memory(model: torch.nn.Module) -> None:
+    """Move every parameter and buffer that does not start on an ALIGNMENT_BYTES boundary into fresh memory.
+
+    safetensors hands out tensors at their offsets in the file, and a CPU's matrix kernels round
+    differently for misaligned operands: the same weights gave log-probs 1e-6 apart in the driver (loaded
+    from a file whose header put them 56 bytes past a boundary) and in a Ray worker (loaded into fresh
+    memory). With every tensor in its own aligned memory, a model computes the same bits however it was
+    loaded. Tied weights are one parameter, moved once."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT_BYTES:
+            tensor.data = tensor.data.clone()
 
 
 def check_model_dir(directory: Path) -> None:

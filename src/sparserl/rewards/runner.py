@@ -20,8 +20,12 @@ that dies counts as a failure. If more than `max_failure_frac` of the completion
 function, the step stops with an error naming the function and its first error: training on
 silent zeros is worse than stopping.
 
+A worker ignores SIGINT and SIGTERM (Ctrl-C reaches the whole process group; the trainer alone
+decides what it means, and kills the worker if it must), and dies with the process that started
+it, so that a trainer killed mid-call leaves no worker behind.
+
 `RewardRunner.from_spec("task,pkg.mod:fn", "1,0.5", task)` builds the weighted list; `task` is the
-task's own reward.
+task's own reward. `last_scores` holds each function's own scores of the last batch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +51,9 @@ from ..tasks.base import Example, reward_columns
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 RewardFn = Callable[..., list]
+# What a worker leaves to its parent; blocked from before the fork until the worker ignores them.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +97,29 @@ def _context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _work(connection, fn: RewardFn, kwargs: dict) -> None:
+def _die_with(parent: int) -> None:
+    """End this worker when `parent` dies, even by SIGKILL: an orphan would score on unseen."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # it died before prctl
+            os._exit(1)
+        return
+
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=exit_when_orphaned, daemon=True).start()
+
+
+def _work(connection, fn: RewardFn, kwargs: dict, parent: int) -> None:
+    for stop_signal in _STOP_SIGNALS:  # a pending one is dropped with it
+        signal.signal(stop_signal, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    _die_with(parent)
     try:
         connection.send(("ok", list(fn(**kwargs))))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which decides
@@ -99,8 +132,13 @@ def call_in_worker(fn: RewardFn, kwargs: dict, timeout_s: float) -> list:
     """`fn(**kwargs)` in a fresh worker process; raises TimeoutError (after killing it) or RuntimeError."""
     context = _context()
     receive, send = context.Pipe(duplex=False)
-    worker = context.Process(target=_work, args=(send, fn, kwargs), daemon=True)
-    worker.start()
+    worker = context.Process(target=_work, args=(send, fn, kwargs, os.getpid()), daemon=True)
+    # Blocked across the fork, so that the child cannot run the parent's handlers before it ignores them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        worker.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     send.close()
     try:
         if not receive.poll(timeout_s):
@@ -130,6 +168,27 @@ def _scores(result: list, count: int) -> list[float]:
     return scores
 
 
+def parse_weights(text: str, count: int) -> list[float]:
+    """`--reward-weights`: one finite number per reward function, comma-separated; all 1 when empty."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        return [1.0] * count
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value):
+            raise RewardError(f"--reward-weights: {part!r} is not a finite number; give one number per reward "
+                              "function, comma-separated (e.g. 1,0.5)")
+        values.append(value)
+    if len(values) != count:
+        raise RewardError(f"--reward-weights has {len(values)} values for {count} reward functions; give one "
+                          "per function of --reward-funcs, in its order")
+    return values
+
+
 class RewardRunner:
     """The weighted sum of reward functions, with per-function means and failure counts.
 
@@ -145,18 +204,24 @@ class RewardRunner:
         self.max_failure_frac = max_failure_frac
         self.counts: dict[str, float] = {}
         self.means: dict[str, float] = {}
+        self._last_scores: dict[str, list[float]] = {}
         self._reset_counts()
 
     @classmethod
     def from_spec(cls, spec: str, weights: str, task_reward: RewardFn, **options) -> RewardRunner:
         names = [s.strip() for s in spec.split(",") if s.strip()] or ["task"]
-        values = [float(w) for w in weights.split(",") if w.strip()] if weights else [1.0] * len(names)
-        if len(values) != len(names):
-            raise RewardError(f"--reward-weights has {len(values)} values for {len(names)} reward functions")
+        values = parse_weights(weights, len(names))
         functions = []
         for name, weight in zip(names, values):
             fn = task_reward if name == "task" else load_reward_function(name)
             functions.append(RewardFunction("task" if name == "task" else name.rpartition(":")[2], fn, weight))
+        if "task" not in names:  # scored anyway, weight 0: accuracy is what the task's own reward calls correct
+            functions.append(RewardFunction("task", task_reward, 0.0))
+        called = [f.name for f in functions]
+        if len(set(called)) < len(called):
+            twice = next(name for name in called if called.count(name) > 1)
+            raise RewardError(f"--reward-funcs names two functions {twice!r}: their scores and metrics would mix; "
+                              "give each function a name of its own")
         return cls(functions, **options)
 
     @classmethod
@@ -173,12 +238,20 @@ class RewardRunner:
     def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                  **columns: Any) -> list[float]:
         total = [0.0] * len(completions)
+        self._last_scores = {}
         for function in self.functions:
             scores = self._score(function, dict(prompts=prompts, completions=completions,
                                                 completion_ids=completion_ids, **columns))
             self.means[function.name] = sum(scores) / max(len(scores), 1)
+            self._last_scores[function.name] = scores
             total = [t + function.weight * s for t, s in zip(total, scores)]
         return total
+
+    @property
+    def last_scores(self) -> dict[str, list[float]]:
+        """{function name: its own (unweighted) scores} of the last call, in completion order; a copy.
+        What a task's success is read from, rather than the weighted sum."""
+        return {name: list(scores) for name, scores in self._last_scores.items()}
 
     def _score(self, function: RewardFunction, kwargs: dict) -> list[float]:
         count = len(kwargs["completions"])

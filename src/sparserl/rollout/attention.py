@@ -5,7 +5,9 @@ holds its own set of tokens (and, per head, possibly different ones), so the eng
 install a `MaskProvider` while they run, and the model's attention calls `attend` below. It also
 lets the provider see each layer's post-RoPE queries, which SnapKV, R-KV and H2O score with, and
 narrow a decode query to a subset of keys it gathers (block-sparse attention reads fewer keys).
-Outside `masked_attention(...)` the model runs its normal attention, untouched.
+Outside `masked_attention(...)` the model runs its normal attention, untouched. Attention logit
+soft-capping (Gemma-2's `attn_logit_softcapping`: scores = cap · tanh(scores / cap)) is applied as
+transformers' eager attention applies it, before the mask.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-
-from ..errors import UserError
 
 IMPLEMENTATION_NAME = "sparserl_masked"
 
@@ -52,15 +52,15 @@ def attend(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Scaled-dot-product attention under the active provider's per-layer mask.
+    """Scaled-dot-product attention under the active provider's per-layer mask, with the logits
+    soft-capped where transformers passes `softcap`.
 
     Shapes: query `[N, Hq, Q, D]`, key/value `[N, Hkv, K, D]`; returns `[N, Q, Hq, D]`.
     """
     provider = _active_provider.get()
     if provider is None:
         raise RuntimeError("sparserl attention ran outside masked_attention(); this is a bug")
-    if kwargs.get("softcap") is not None:
-        raise UserError("attention logit soft-capping is not supported by sparse rollouts")
+    softcap = kwargs.get("softcap")
     layer_idx = module.layer_idx
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -75,16 +75,28 @@ def attend(
     grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)
     grouped_mask = mask if q_len == 1 else \
         mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, k_len)
-    if q_len == 1:
+    if q_len == 1 or softcap is not None:
         # One decode token: a plain matmul and softmax beats the CPU SDPA kernel's per-call overhead (~12%
-        # of a rollout), and every decode step, dense or sparse, takes this same path.
-        scores = (grouped @ key.transpose(-1, -2)) * (scaling if scaling is not None else head_dim ** -0.5)
-        probs = scores.masked_fill(~grouped_mask, float("-inf")).softmax(dim=-1)
-        out = probs.to(value.dtype) @ value
+        # of a rollout), and every decode step, dense or sparse, takes this same path. SDPA cannot
+        # soft-cap, so a soft-capped layer's prefill (and replay) computes its scores here too.
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        out = _explicit_attention(grouped, key, value, grouped_mask, scale, softcap)
     else:
         out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=grouped_mask, scale=scaling)
     out = out.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
     return out, None
+
+
+def _explicit_attention(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                        scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(cap(grouped · keyᵀ · scale) masked) · value, `[N, Hkv, G·Q, D]`, with the scores
+    `[N, Hkv, G·Q, K]` materialised (as transformers' eager attention does). The cap is
+    transformers' own operations in their order (/cap, tanh, ·cap); None applies none."""
+    scores = (grouped @ key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return probs.to(value.dtype) @ value
 
 
 AttentionInterface.register(IMPLEMENTATION_NAME, attend)

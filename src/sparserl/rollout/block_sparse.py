@@ -86,7 +86,9 @@ def page_scores(query: torch.Tensor, centroids: torch.Tensor, counts: torch.Tens
     """`[N, pages]` mean over query heads of query · page centroid; -inf for pages without a real key.
 
     query `[N, Hq, 1, D]`; centroids `[N, Hkv, pages, D]`; counts `[N, pages]` real keys per page.
-    Query head h uses KV head h // (Hq / Hkv), as transformers' `repeat_kv` does.
+    Query head h uses KV head h // (Hq / Hkv), as transformers' `repeat_kv` does. No soft-capping
+    (Gemma-2): a centroid's dot product is no key's logit, only a ranking of pages, and the replay
+    reads the pages chosen, not these scores.
     """
     batch, q_heads, _, dim = query.shape
     kv_heads = centroids.shape[1]

@@ -40,12 +40,12 @@ them; `CostModel.load` reads them back without probing.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..model.clock import now
 from .engine import KVCompression
 from .schedule import BudgetSchedule
 
@@ -233,12 +233,12 @@ def _cache_key(shapes: Shapes, rows: int, policy: str, long_cache: int) -> str:
 
 
 # ---------------------------------------------------------------------------------- the probe
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, device: torch.device) -> float:
     fn()
-    started = time.perf_counter()
+    started = now(device)
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - started) / repeats
+    return (now(device) - started) / repeats
 
 
 def _line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
@@ -257,26 +257,27 @@ def probe(model, rows: int, policy: str = "rkv", long_cache: int = 1024) -> Rate
     from .engine import RolloutEngine, SamplingConfig
 
     shapes = Shapes.of(model)
-    dtype = next(model.parameters()).dtype
-    a = torch.randn(rows, shapes.hidden, dtype=dtype)
-    b = torch.randn(shapes.hidden, 4 * shapes.hidden, dtype=dtype)
-    flop_rate = 2 * rows * shapes.hidden * 4 * shapes.hidden / _timed(lambda: a @ b, 200)
-    big = torch.ones(64 * 2**20 // 4)
-    bandwidth = big.numel() * 4 / _timed(lambda: big.sum(), 20)
+    parameter = next(model.parameters())
+    dtype, device = parameter.dtype, parameter.device
+    a = torch.randn(rows, shapes.hidden, dtype=dtype, device=device)
+    b = torch.randn(shapes.hidden, 4 * shapes.hidden, dtype=dtype, device=device)
+    flop_rate = 2 * rows * shapes.hidden * 4 * shapes.hidden / _timed(lambda: a @ b, 200, device)
+    big = torch.ones(64 * 2**20 // 4, device=device)
+    bandwidth = big.numel() * 4 / _timed(lambda: big.sum(), 20, device)
     new = 48
 
     def rollout(prompt: int, compression, tokens: int = new, on_step=None):
         prompts = [[(i * 7 + r) % shapes.vocab for i in range(prompt)] for r in range(rows)]
         engine = RolloutEngine(model, compression, record_evictions=False)
         batch = engine.generate(prompts, SamplingConfig(max_new_tokens=tokens, temperature=1.0, eos_token_id=None,
-                                                        pad_token_id=0), torch.Generator().manual_seed(0), on_step)
+                                                        pad_token_id=0), torch.Generator(device).manual_seed(0), on_step)
         return batch
 
     def decode_step_seconds(prompt: int, compression=None) -> float:
         """The median time between decode steps: no prefill in it, and robust to a busy machine's spikes
         (subtracting a timed prefill instead was off by half at long caches)."""
         stamps: list[float] = []
-        rollout(prompt, compression, on_step=lambda _: stamps.append(time.perf_counter()))
+        rollout(prompt, compression, on_step=lambda _: stamps.append(now(device)))
         gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
         return gaps[len(gaps) // 2]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..model.clock import Stopwatch
 from .attention import masked_attention
 from .block_sparse import BlockSelector, BlockSparsity
 from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
@@ -193,6 +193,7 @@ class DecodeLoop:
         self.selector: BlockSelector | None = None
         self.slot_bytes = 0  # of a full batch
         self.stats = KVStats()
+        self.compress_watch = Stopwatch(self.device)
         self.kept_columns: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.cache_keyword = cache_keyword(self.model)
         # [A]: the tokens the next forward feeds, which of them are real, and which rows go on after them.
@@ -216,6 +217,7 @@ class DecodeLoop:
                     logits = joined if logits is None else torch.cat([logits, joined])
                 step += 1
         self.stats.waves = self.cohorts_admitted
+        self.stats.compress_seconds = self.compress_watch.seconds()
         return self
 
     # --- the stages of a step ---------------------------------------------------------------------
@@ -357,7 +359,7 @@ class DecodeLoop:
     def _compress(self, cohort: Cohort, first: int, own_step: int) -> bool:
         """Compress the cohort's rows in every layer past its budget. Records, per (column, layer), the
         columns each request kept."""
-        started = time.perf_counter()
+        self.compress_watch.start()
         comp, cache, provider = self.comp, self.cache, self.provider
         column = self.width + own_step  # the column about to be fed
         # The schedule reads the cached length of the longest prompt's row (padded columns).
@@ -386,7 +388,7 @@ class DecodeLoop:
             compressed = True
         if compressed:
             self.stats.compressions += 1
-            self.stats.compress_seconds += time.perf_counter() - started
+            self.compress_watch.stop()
         return compressed
 
     def evictions(self) -> list[EvictionEvent]:

@@ -14,11 +14,11 @@ column in the `[N, P + T]` sequence is its identity for masks and for the evicti
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from ..model.clock import now
 from .block_sparse import BlockSelections, BlockSparsity
 from .decode_loop import DecodeLoop
 from .kv_cache import EvictionEvent, KVStats, build_cache
@@ -176,8 +176,8 @@ class RolloutEngine:
         from `seeds` (one per prompt: a row's draw at a step is a function of its seed and its step,
         `row_uniforms`, so its tokens do not depend on the other rows) or else from the one `generator`
         shared by the batch. `on_step`, if given, is called after each decode step."""
-        started = time.perf_counter()
         device = next(self.model.parameters()).device
+        started = now(device)
         prompt_ids, prompt_mask = left_pad(prompts, sampling.pad_token_id, sampling.prompt_width)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         if seeds is not None and len(seeds) != len(prompts):
@@ -203,7 +203,7 @@ class RolloutEngine:
             response_ids=loop.response_ids[:, :span], response_mask=response_mask,
             sampler_logprobs=loop.logprobs[:, :span], prompt_lengths=loop.prompt_lengths,
             response_lengths=loop.lengths, ended=loop.ended,
-            rollout_seconds=time.perf_counter() - started, kv=stats,
+            rollout_seconds=now(device) - started, kv=stats,
             evictions=loop.evictions(), block_selections=loop.selector.record if loop.selector is not None else None,
             sampler_distribution=loop.distributions[:, :span] if loop.distributions is not None else None,
             replayable=self.compression is None or self.record_evictions,

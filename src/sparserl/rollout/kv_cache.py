@@ -10,7 +10,8 @@ With no compression policy the same class is the dense cache: one code path for 
 what makes a sparse rollout with a huge budget bitwise the dense one. Block-sparse attention reads
 whole pages of the dense cache (`gather_pages`), so there the capacity is kept a multiple of the page.
 Sliding-window layers (hybrid models such as Gemma-3) keep every token and mask by distance;
-they are never compressed.
+they are never compressed. A window that every layer has (Mistral, Phi-3: `sliding_window` without
+`layer_types`) masks by distance too, but its layers are compressed as full-attention ones.
 
 Rows that joined the batch at different times (the engine refills freed rows, `decode_loop.py`)
 hold different numbers of slots: the layer then keeps a length per row, writes each row's new
@@ -36,9 +37,10 @@ class BufferLayer(CacheLayerMixin):
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, max_capacity: int, selection_heads: int,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None = None,
-                 growth: int = 64, page_size: int = 1):
+                 growth: int = 64, page_size: int = 1, is_sliding: bool = False):
+        """`is_sliding`: a hybrid model's local layer (never compressed); `sliding_window` masks by distance."""
         super().__init__()
-        self.is_sliding = sliding_window is not None
+        self.is_sliding = is_sliding
         self.sliding_window = sliding_window
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.selection_heads = selection_heads
@@ -263,9 +265,15 @@ class KVStats:
 
     @classmethod
     def merged(cls, stats: list[KVStats], rows: list[int]) -> KVStats:
-        """The figures of rollouts run one after the other (`rows[i]` rows in `stats[i]`): peaks are the
-        largest one's, counts add up, per-row figures are concatenated."""
+        """The figures of several rollouts (`rows[i]` rows in `stats[i]`): waves and evaluation chunks run
+        one after the other, a step's shards in this process or on Ray workers. The one rule for memory:
+        figures are per sampler, the most one of them held at once (each sampler has its memory of its own,
+        and `--rollout-kv-memory` is its budget), so peak and dense-equivalent bytes and rows in flight are
+        the largest rollout's, and the same for a step sampled here or on workers. Counts and seconds add
+        up, per-row figures are concatenated, the attended fraction is a mean over rows."""
         total = max(sum(rows), 1)
+        per_row = {name: None if any(getattr(s, name) is None for s in stats) else
+                   torch.cat([getattr(s, name) for s in stats]) for name in ("kept_tokens", "evicted_tokens")}
         return cls(
             kv_peak_bytes=max(s.kv_peak_bytes for s in stats),
             kv_dense_bytes=max(s.kv_dense_bytes for s in stats),
@@ -273,11 +281,10 @@ class KVStats:
                                          for k in stats[0].kv_peak_bytes_by_layer_type},
             compressions=sum(s.compressions for s in stats),
             compress_seconds=sum(s.compress_seconds for s in stats),
-            kept_tokens=torch.cat([s.kept_tokens for s in stats]),
-            evicted_tokens=torch.cat([s.evicted_tokens for s in stats]),
             attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
             rows_in_flight=max(s.rows_in_flight for s in stats),
             waves=sum(s.waves for s in stats),
+            **per_row,
         )
 
     def summary(self, rollout_seconds: float) -> dict[str, float]:
@@ -330,16 +337,30 @@ def build_cache(model, batch: int, capacities: list[int], per_head_selection: bo
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
     layers = []
-    for layer_type, capacity in zip(layer_types[: config.num_hidden_layers], capacities):
-        sliding = layer_type == "sliding_attention" and window is not None
+    for kind, window, capacity in zip(layer_types(config), layer_windows(config), capacities):
+        sliding = kind == "sliding_attention" and window is not None
         layers.append(BufferLayer(
             batch, kv_heads, head_dim,
             max_capacity=full_capacity if sliding else capacity,
             selection_heads=kv_heads if per_head_selection and not sliding else 1,
-            dtype=dtype, device=device, sliding_window=window if sliding else None, growth=growth,
-            page_size=page_size,
+            dtype=dtype, device=device, sliding_window=window, growth=growth,
+            page_size=page_size, is_sliding=sliding,
         ))
     return BufferCache(layers)
+
+
+def layer_types(config) -> list[str]:
+    """Each decoder layer's kind: the config's `layer_types`, or full attention throughout."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return list(kinds[: config.num_hidden_layers])
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's attention window (None: none), as transformers masks them: the sliding layers' of
+    `layer_types` where the config has them (Gemma-2/3, Qwen2), else every layer's when it sets
+    `sliding_window` (Mistral, Phi-3, Mixtral, Starcoder2)."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "layer_types", None) is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types(config)]

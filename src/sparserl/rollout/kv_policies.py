@@ -209,6 +209,14 @@ class SnapKV(KVPolicy):
     The one `pooling` choice serves both the pooling over a KV group's query heads and the 1-D
     smoothing along the slots (max-pool or avg-pool, stride 1, padding kernel // 2, as the
     reference's `F.max_pool1d` / `F.avg_pool1d`, which counts the zero padding in the mean).
+
+    The logits are q·k/√D for every model, as in the references (SnapKV, kvpress), and so is H2O's
+    mass (`decode_loop.RolloutAttention._accumulate_mass`): neither a model's own scale (Gemma's
+    query_pre_attn_scalar) nor Gemma-2's attention soft-capping enters, on purpose. The score only
+    ranks tokens to keep, and the replay reads the kept columns, not the scores, so it stays exact
+    either way; tanh is increasing, so each query orders keys the same capped or not, and a cap of
+    50 moves a logit by 1.3% at 10 and 5% at 20: only sums over queries of the largest logits could
+    rank differently, which is not worth a per-family rule in every policy.
     """
 
     name: ClassVar[str] = "snapkv"

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..model.loading import count_parameters, resolve_device
-from ..model.threads import choose_threads
+from ..model.clock import now
+from ..model.loading import resolve_device
 from .adapter import SamplerAdapter
 from .engine import RolloutEngine, SamplingConfig
 from .sampler import Sampler, Shard, ShardResult, StepRollouts, move_to
@@ -92,10 +92,10 @@ def _join(ray, address: str) -> None:
 class RolloutWorker:
     """One rollout actor (wrapped by `ray.remote` in `RayRollouts`). Its weights come from the driver."""
 
-    def __init__(self, model_config, dtype: str, device: str, threads: int | str, cpus: int, adapter, compression,
+    def __init__(self, model_config, dtype: str, device: str, threads: int, adapter, compression,
                  record_evictions: bool, record_distributions: bool):
-        """`threads`: the --threads setting; auto and 0 mean the thread count auto picks, at most the
-        `cpus` Ray gave this worker."""
+        """`threads`: the driver's torch thread count. The count changes float sums, so a worker samples
+        with the driver's, whatever CPUs Ray gave it: its shards are then bit for bit the driver's."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)  # the random init is overwritten by the first weights; this only makes it cheap to debug
@@ -103,8 +103,6 @@ class RolloutWorker:
         # Parameters keep requires_grad as in the driver: turning it off changes which CPU kernels run
         # (4.8e-7 apart on the built-in model), and the workers must sample bitwise as the driver would.
         model = model.to(resolve_device(device)).eval()
-        if threads in (0, "auto"):
-            threads = min(cpus, choose_threads("auto", count_parameters(model)).threads)
         torch.set_num_threads(threads)
         adapter = SamplerAdapter(model, adapter) if adapter is not None else None
         engine = RolloutEngine(model, compression, record_evictions=record_evictions,
@@ -122,10 +120,11 @@ class RolloutWorker:
 
         loaded = 0.0
         if version != self.version:
-            started = time.perf_counter()
+            device = next(self.sampler.engine.model.parameters()).device
+            started = now(device)
             self.sampler.engine.model.load_state_dict(tensors_from_arrays(ray.get(weights[0])))
             self.version = version
-            loaded = time.perf_counter() - started
+            loaded = now(device) - started
         self.sampler.engine.compression = compression
         result = self.sampler.generate(shard, sampling, self.version)
         result.weight_load_seconds = loaded
@@ -135,7 +134,7 @@ class RolloutWorker:
 class RayRollouts:
     """The driver's side: starts the workers, pushes weights, hands out shards, replaces lost workers."""
 
-    def __init__(self, rollout, model_config, dtype: str, device: torch.device, threads: int | str, adapter,
+    def __init__(self, rollout, model_config, dtype: str, device: torch.device, threads: int, adapter,
                  compression,
                  record_evictions: bool, record_distributions: bool):
         ray = import_ray()
@@ -153,7 +152,7 @@ class RayRollouts:
             resources["num_gpus"] = rollout.worker_gpus or 1.0 / rollout.rollout_workers
         self.actor = ray.remote(**resources)(RolloutWorker)
         self.worker_args = (model_config, dtype, "cuda" if device.type == "cuda" else "cpu",
-                            threads, rollout.worker_cpus, adapter, compression, record_evictions,
+                            threads, adapter, compression, record_evictions,
                             record_distributions)
         # A worker takes shards once it has started (`ready`): the timeout must not count its start-up.
         self.workers, self.ready = [], []

@@ -18,7 +18,7 @@ import torch
 from .attention import masked_attention
 from .block_sparse import BlockSelections
 from .engine import RolloutBatch
-from .kv_cache import EvictionEvent
+from .kv_cache import EvictionEvent, layer_windows
 
 
 def replay_masks(attention_mask: torch.Tensor, events: list[EvictionEvent], num_layers: int,
@@ -71,9 +71,7 @@ def replay_attention(model, batch: RolloutBatch, rows: slice | torch.Tensor | No
     """Inside, a teacher-forced forward of `batch.input_ids[rows]` sees what the sparse sampler saw."""
     rows = slice(None) if rows is None else rows
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    windows = [getattr(config, "sliding_window", None) if t == "sliding_attention" else None
-               for t in layer_types[: config.num_hidden_layers]]
+    windows = layer_windows(config)
     events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
     blocks = batch.block_selections.rows(rows) if batch.block_selections is not None else None
     masks = replay_masks(batch.attention_mask[rows], events, config.num_hidden_layers, windows, blocks)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
+from ..model.clock import now
 from .adapter import sampler_context
 from .engine import RolloutBatch, RolloutEngine, SamplingConfig
 from .kv_cache import KVStats
@@ -81,11 +82,12 @@ class Sampler:
         self.adapter = adapter
 
     def generate(self, shard: Shard, sampling: SamplingConfig, version: int) -> ShardResult:
-        started = time.perf_counter()
+        device = next(self.engine.model.parameters()).device
+        started = now(device)
         self.engine.model.eval()
         with sampler_context(self.adapter):
             batch = schedule_rollouts(self.engine, shard.prompts, sampling, shard.seeds)
-        return ShardResult(shard.index, batch, version, time.perf_counter() - started)
+        return ShardResult(shard.index, batch, version, now(device) - started)
 
 
 class LocalRollouts:
@@ -115,7 +117,7 @@ def make_rollouts(config, engine: RolloutEngine, adapter, device: torch.device):
     from .adapter import adapter_config
     from .ray_backend import RayRollouts
 
-    return RayRollouts(config.rollout, engine.model.config, config.model.dtype, device, config.model.threads,
+    return RayRollouts(config.rollout, engine.model.config, config.model.dtype, device, torch.get_num_threads(),
                        adapter_config(config.train) if adapter is not None else None, engine.compression,
                        engine.record_evictions, engine.record_distributions)
 
@@ -148,27 +150,8 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         response_lengths=torch.cat([b.response_lengths for b in batches]),
         ended=torch.cat([b.ended for b in batches]),
         rollout_seconds=sum(b.rollout_seconds for b in batches),
-        kv=merge_kv_stats([b.kv for b in batches], [len(b) for b in batches]),
+        kv=KVStats.merged([b.kv for b in batches], [len(b) for b in batches]),
     )
-
-
-def merge_kv_stats(stats: list[KVStats], rows: list[int]) -> KVStats:
-    """Byte counts, compressions and times add up over shards; per-row tensors are concatenated;
-    fractions are averaged weighted by rows."""
-    merged = {}
-    for f in dataclasses.fields(KVStats):
-        values = [getattr(s, f.name) for s in stats]
-        if any(v is None for v in values):
-            merged[f.name] = None
-        elif isinstance(values[0], torch.Tensor):
-            merged[f.name] = torch.cat(values)
-        elif isinstance(values[0], dict):
-            merged[f.name] = {k: sum(v.get(k, 0) for v in values) for k in values[0]}
-        elif f.name.endswith("_frac"):
-            merged[f.name] = sum(v * n for v, n in zip(values, rows)) / max(sum(rows), 1)
-        else:
-            merged[f.name] = sum(values)
-    return KVStats(**merged)
 
 
 def move_to(value, device: torch.device):
@@ -185,12 +168,10 @@ def move_to(value, device: torch.device):
     return value
 
 
-def rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor, rollouts: StepRollouts) -> dict[str, float]:
-    """What a step's rollouts earned and cost. batch: the merged shards; rewards: [N]."""
+def rollout_metrics(batch: RolloutBatch, rollouts: StepRollouts) -> dict[str, float]:
+    """What a step's rollouts were and cost. batch: the merged shards."""
     lengths = batch.response_lengths.float()
     return {
-        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "accuracy": float((rewards >= 1.0).float().mean()),
         "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
         "truncated_frac": float((~batch.ended).float().mean()),
         **batch.kv.summary(batch.rollout_seconds),

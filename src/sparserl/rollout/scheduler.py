@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +32,26 @@ from .engine import RolloutBatch, RolloutEngine, SamplingConfig
 from .kv_cache import EvictionEvent, KVStats
 
 AUTO_MEMORY_SHARE = 0.9  # of the memory free after the weights, as vLLM's gpu_memory_utilization
+# Rows an inference command decodes at once when neither --max-concurrent-rows nor --rollout-kv-memory is set.
+INFERENCE_ROWS = 256
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """The user's limits on rows in flight: a KV memory budget in bytes (None: none) and a row count (0: none)."""
+
+    kv_memory_bytes: int | None = None
+    max_rows: int = 0
+
+    @classmethod
+    def from_rollout_config(cls, rollout, device: torch.device) -> RowLimits:
+        """`--rollout-kv-memory` (a size, or auto: a share of what is free on `device`) and `--max-concurrent-rows`."""
+        return cls(resolve_kv_memory(rollout.rollout_kv_memory, device), rollout.max_concurrent_rows)
+
+    def for_inference(self) -> RowLimits:
+        """These limits, or INFERENCE_ROWS rows at a time when none is set (an evaluation's prompts would
+        otherwise all decode at once)."""
+        return self if self.kv_memory_bytes is not None or self.max_rows else RowLimits(max_rows=INFERENCE_ROWS)
 
 
 def request_seed(seed: int, row: int) -> int:

@@ -31,12 +31,12 @@ together.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..model.clock import now
 from ..model.forward import logit_scale
 from .acceptance import acceptance_rate
 from .attention import masked_attention
@@ -98,10 +98,10 @@ class SpeculativeSampler:
                  on_step=None) -> SpeculativeBatch:
         """One response per prompt, row i drawn from `seeds[i]`; `on_step(k)` after each round that
         advanced the longest row by k tokens. Rows that end leave the batch as in the engine."""
-        started = time.perf_counter()
         model = self.model
         parameter = next(model.parameters())
         device, dtype = parameter.device, parameter.dtype
+        started = now(device)
         prompt_ids, prompt_mask = left_pad(prompts, sampling.pad_token_id, sampling.prompt_width)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         batch, width = prompt_ids.shape
@@ -160,7 +160,7 @@ class SpeculativeSampler:
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=state.response_ids[:, :span],
             response_mask=response_mask, sampler_logprobs=state.logprobs[:, :span],
             prompt_lengths=state.prompt_lengths, response_lengths=state.lengths, ended=state.ended,
-            rollout_seconds=time.perf_counter() - started, kv=kv, replayable=True, speculation=stats,
+            rollout_seconds=now(device) - started, kv=kv, replayable=True, speculation=stats,
         )
 
     def _round(self, state: _Rows, cache: BufferCache, provider: _SpeculativeAttention, draft,
@@ -177,12 +177,14 @@ class SpeculativeSampler:
             draft.recommit(cache)
         pending = state.response_ids[state.rows, emitted - 1]
         fed = emitted[:, None] - 1  # response index of each row's first token fed this round [A, 1]
+        longest_fed = int(fed.max())  # one host read per round, not one per draft step
+        device = emitted.device
 
-        started = time.perf_counter()
+        started = now(device)
         drafts, draft_logps = [], []
         provider.drafting = True
         for j in range(gamma):
-            draft.begin_step(width + int(fed.max()) + j, cache.layers[0].length + 1)
+            draft.begin_step(width + longest_fed + j, cache.layers[0].length + 1)
             token = pending if j == 0 else drafts[-1]
             logits = forward(token[:, None], width + fed + j, live[:, None])[:, -1]
             token, _, logp = draw_tokens(logits, temperature, None, row_uniforms(seeds, emitted + j))
@@ -191,9 +193,9 @@ class SpeculativeSampler:
         provider.drafting = False
         for layer in cache.layers:
             layer.length -= gamma  # the draft's slots: the verifier rewrites them densely
-        draft_seconds = time.perf_counter() - started
+        draft_seconds = now(device) - started
 
-        started = time.perf_counter()
+        started = now(device)
         start = cache.layers[0].length
         offsets = torch.arange(gamma + 1, device=emitted.device)
         tokens = torch.stack([pending, *drafts], dim=1)  # [A, γ+1]
@@ -216,7 +218,7 @@ class SpeculativeSampler:
         for layer in cache.layers:
             layer.real[:, :, start:start + gamma + 1] = real[:, None, :]
         draft.commit(cache, start, real)
-        verify_seconds = time.perf_counter() - started
+        verify_seconds = now(device) - started
 
         compared = (offsets[None, :gamma] <= accepted[:, None]) & live[:, None]
         alpha = acceptance_rate(torch.stack(draft_logps, dim=1), dense_logp[:, :gamma]) if gamma else \
@@ -311,12 +313,12 @@ class _SpeculativeAttention:
         if self.prefill:
             return layer.visible(self.query_columns)
         real = layer.real[:, :, :layer.length]
-        if query_len == 1 and not layer.is_sliding:
+        if query_len == 1 and layer.sliding_window is None:
             return real[:, :, None, :]  # every cached slot precedes the one query
         columns = layer.columns[:, :, None, :layer.length]
         queries = self.query_columns[:, None, :, None]
         seen = real[:, :, None, :] & (columns <= queries)
-        if layer.is_sliding:
+        if layer.sliding_window is not None:
             seen &= columns > queries - layer.sliding_window
         return seen
 

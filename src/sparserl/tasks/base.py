@@ -40,6 +40,15 @@ class Task(Protocol):
         ...
 
 
+SOLVED = 1.0  # the task reward of a correct completion (task rewards are in [0, 1])
+
+
+def is_correct(task_score: float) -> bool:
+    """Whether a completion solved its example: the task's own reward gives it full marks. Only the task's
+    reward decides it, never a weighted sum with other rewards (a format bonus is not a solution)."""
+    return task_score >= SOLVED
+
+
 # name -> the task class; each class has `from_config(task_config)` for the settings of `TaskConfig`.
 TASKS: dict[str, type] = {}
 

@@ -4,6 +4,7 @@ described in `experiments/calibrate.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from ..learner.alpha import rollout_alpha_metrics
 from ..rollout.acceptance import bin_tails
 from ..rollout.engine import sparsity_from_config
 from ..rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
+from ..rollout.scheduler import RowLimits
 from .evaluation import complete
 
 
@@ -25,23 +27,28 @@ class Calibration:
 
 
 def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: BudgetSchedule, samples: int,
-           bin_size: int, quantile: float, seed: int) -> dict[int, float]:
+           bin_size: int, quantile: float, seed: int, sampler_context) -> dict[int, float]:
     """{bin start: α tail} of sampled rollouts under `schedule` (same prompts and seed every call)."""
     compression = sparsity_from_config(dataclasses.replace(rollout, kv_schedule=None))
     compression = dataclasses.replace(compression, schedule=schedule)
-    done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, samples=samples,
-                    seed=seed, record_distributions=True)
-    return bin_tails(rollout_alpha_metrics(model, done.batches, rollout.temperature, bin_size, quantile))
+    limits = RowLimits.from_rollout_config(rollout, next(model.parameters()).device)
+    with sampler_context():
+        done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, limits=limits,
+                        samples=samples, seed=seed, record_distributions=True)
+    return bin_tails(rollout_alpha_metrics(model, done.batches, rollout.temperature, bin_size, quantile,
+                                           sampler_context=sampler_context))
 
 
 def calibrate_schedule(model, tokenizer, max_new_tokens: int, rollout, examples, budgets: list[int], tau: float,
-                       bin_size: int, samples: int, seed: int, quantile: float = 0.05,
-                       progress: bool = True) -> Calibration:
+                       bin_size: int, samples: int, seed: int, quantile: float = 0.05, progress: bool = True,
+                       sampler_context=contextlib.nullcontext) -> Calibration:
     """The look-ahead schedule of the module docstring, for `model` as it is now (the CLI's and
-    `--recalibrate-every`'s common core). `rollout`: a `RolloutConfig` (policy, window, interval)."""
+    `--recalibrate-every`'s common core). `rollout`: a `RolloutConfig` (policy, window, interval, and the
+    limits on rows in flight). `sampler_context()`: what the sparse sampler samples under (DistillSparse's
+    adapter on), so that the tails measured are those of the sampler training will use."""
     budgets = sorted(budgets)
     measure = lambda schedule: _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule,  # noqa: E731
-                                      samples, bin_size, quantile, seed)
+                                      samples, bin_size, quantile, seed, sampler_context)
     fixed = {b: measure(FixedBudget(b)) for b in tqdm(budgets, desc="calibrate: fixed budgets", unit="budget",
                                                       disable=not progress)}
     starts = sorted({start for per_bin in fixed.values() for start in per_bin})

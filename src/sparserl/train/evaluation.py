@@ -16,8 +16,8 @@ from ..rewards.runner import RewardRunner
 from ..rollout.block_sparse import BlockSparsity
 from ..rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
 from ..rollout.kv_cache import KVStats
-from ..rollout.scheduler import request_seed, schedule_rollouts
-from ..tasks.base import Example, Task, walk_metrics
+from ..rollout.scheduler import RowLimits, request_seed, rows_in_flight, schedule_rollouts
+from ..tasks.base import Example, Task, is_correct, walk_metrics
 
 
 @dataclass
@@ -32,17 +32,21 @@ class Completions:
 
 
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
-             compression: KVCompression | BlockSparsity | None = None, max_rows: int = 256, samples: int = 1,
-             seed: int = 0, progress: str | None = None, record_distributions: bool = False) -> Completions:
-    """Sample `samples` completions per example (grouped: example i's come out consecutively), at most
-    `max_rows` at a time, row i from the seed (`seed`, i). `progress`: a label for a progress bar over
-    the decode steps, None for silence."""
+             compression: KVCompression | BlockSparsity | None = None, limits: RowLimits = RowLimits(),
+             samples: int = 1, seed: int = 0, progress: str | None = None,
+             record_distributions: bool = False) -> Completions:
+    """Sample `samples` completions per example (grouped: example i's come out consecutively), row i from
+    the seed (`seed`, i), as many rows at a time as `limits` allow (`RowLimits.for_inference`). A KV memory
+    budget that holds no row is refused before anything is sampled. `progress`: a label for a progress
+    bar over the decode steps, None for silence."""
     engine = RolloutEngine(model, compression, record_evictions=False, record_distributions=record_distributions)
+    limits = limits.for_inference()
+    prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                              max_rows=max_rows)
-    prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
-    total = math.ceil(len(prompts) / max_rows) * max_new_tokens
+                              kv_memory_bytes=limits.kv_memory_bytes, max_rows=limits.max_rows)
+    rows = rows_in_flight(engine, sampling, max(len(p) for p in prompts), len(prompts))
+    total = math.ceil(len(prompts) / rows) * max_new_tokens
     with tqdm(total=total, desc=progress, unit="tok", leave=False, disable=progress is None) as bar:
         batch = schedule_rollouts(engine, prompts, sampling, [request_seed(seed, row) for row in range(len(prompts))],
                                   on_step=bar.update)
@@ -60,13 +64,13 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 
 def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                   compression: KVCompression | BlockSparsity | None = None,
-                  rewards: RewardRunner | None = None) -> dict[str, float]:
-    """Greedy `accuracy` (reward 1) on `examples`, plus the task's `walk_metrics` where it has them.
-    `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`)."""
-    done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression)
+                  rewards: RewardRunner | None = None, limits: RowLimits = RowLimits()) -> dict[str, float]:
+    """Greedy `accuracy` (`is_correct` by the task's reward) on `examples`, plus the task's `walk_metrics`
+    where it has them. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`)."""
+    done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression,
+                    limits=limits)
     scores = (rewards or RewardRunner.for_task(task)).score_examples(examples, done.texts, done.ids)
-    return {"accuracy": sum(r >= 1.0 for r in scores) / max(len(scores), 1),
-            **walk_metrics(task, done.texts, examples)}
+    return {"accuracy": accuracy(scores), **walk_metrics(task, done.texts, examples)}
 
 
 def task_rewards(config, task: Task) -> RewardRunner:
@@ -84,25 +88,26 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                     compression: KVCompression | BlockSparsity | None, samples: int, temperature: float, seed: int,
-                    progress: bool = False, alpha_bin_size: int = 16, rewards: RewardRunner | None = None) -> dict:
-    """Greedy accuracy (and walk metrics), pass@k from `samples` samples, and under sparse inference
-    the KV figures and the acceptance rate α of the greedy rollouts against the dense model.
-    `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`)."""
+                    progress: bool = False, alpha_bin_size: int = 16, rewards: RewardRunner | None = None,
+                    limits: RowLimits = RowLimits()) -> dict:
+    """Greedy accuracy (and walk metrics), pass@k from `samples` samples, the KV figures of the greedy
+    rollouts (peak bytes, rows in flight under `limits`), and under sparse inference the acceptance rate
+    α of the greedy rollouts against the dense model. `rewards` scores with the task's reward (default:
+    `RewardRunner.for_task(task)`)."""
     rewards = rewards or RewardRunner.for_task(task)
     kind = "dense" if compression is None else "sparse"
     label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
-    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, progress=label("greedy"),
-                      record_distributions=compression is not None)
-    correct = [r >= 1.0 for r in rewards.score_examples(examples, greedy.texts, greedy.ids)]
-    result = {"accuracy": sum(correct) / max(len(correct), 1), **walk_metrics(task, greedy.texts, examples),
-              **_token_figures(greedy.batches)}
+    greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, limits=limits,
+                      progress=label("greedy"), record_distributions=compression is not None)
+    result = {"accuracy": accuracy(rewards.score_examples(examples, greedy.texts, greedy.ids)),
+              **walk_metrics(task, greedy.texts, examples), **_token_figures(greedy.batches)}
+    result["kv"] = {**_sparsity_settings(compression), **_kv_figures(greedy.batches)}
     if compression is not None:
-        result["kv"] = {**_sparsity_settings(compression), **_kv_figures(greedy.batches)}
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
-        sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, samples=samples,
-                           seed=seed, progress=label("sampled"))
-        hits = [r >= 1.0 for r in rewards.score_examples(examples, sampled.texts, sampled.ids, samples)]
+        sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, limits=limits,
+                           samples=samples, seed=seed, progress=label("sampled"))
+        hits = [is_correct(r) for r in rewards.score_examples(examples, sampled.texts, sampled.ids, samples)]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]
         result["pass_at_k"] = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in per_example) / len(examples)
@@ -120,7 +125,14 @@ def _token_figures(batches: list[RolloutBatch]) -> dict:
             "truncated_frac": float(torch.cat([~b.ended for b in batches]).float().mean())}
 
 
-def _sparsity_settings(compression: KVCompression | BlockSparsity) -> dict:
+def accuracy(task_scores: list[float]) -> float:
+    """The share of completions the task's own reward calls correct (`is_correct`)."""
+    return sum(map(is_correct, task_scores)) / max(len(task_scores), 1)
+
+
+def _sparsity_settings(compression: KVCompression | BlockSparsity | None) -> dict:
+    if compression is None:
+        return {"sparsity": "dense"}
     schedule = None if compression.schedule is None else list(compression.schedule.budgets)
     if isinstance(compression, BlockSparsity):
         return {"sparsity": "block", "budget": compression.budget, "schedule": schedule,

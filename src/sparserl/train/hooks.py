@@ -9,10 +9,10 @@ before the rollouts (a controller may change the budgets they use), `after_recom
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
 from ..config.schema import calibration_budgets
+from ..model.clock import now
 from ..learner.distill import DistillTrainer
 from ..rollout.acceptance import bin_tails
 from ..rollout.schedule import AdaptiveBudget
@@ -63,16 +63,17 @@ class RecalibrationHook(StepHook):
         if not self.due(step):
             return {}
         rollout = trainer.config.rollout
-        started = time.perf_counter()
+        started = now(trainer.device)
         trainer.model.eval()
         seed = step_seed(trainer.config.train.seed, step)
         examples = trainer.task.examples(rollout.calibration_prompts, seed=seed, split="train")
         found = calibrate_schedule(trainer.model, trainer.tokenizer, trainer.max_new_tokens, rollout, examples,
                                    calibration_budgets(rollout), rollout.alpha_tau, rollout.alpha_bin_size,
-                                   rollout.calibration_samples, seed, progress=False)
+                                   rollout.calibration_samples, seed, progress=False,
+                                   sampler_context=trainer.sampler)
         trainer.compression = dataclasses.replace(trainer.compression, schedule=found.schedule)
         trainer.state.kv_budgets = list(found.schedule.budgets)
-        return {"recalibrated": 1, "recalibrate_s": time.perf_counter() - started,
+        return {"recalibrated": 1, "recalibrate_s": now(trainer.device) - started,
                 "recalibration_unmet_bins": len(found.unmet_bins)}
 
 

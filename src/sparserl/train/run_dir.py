@@ -8,7 +8,8 @@ what to do, every case that would mix two runs or resume the wrong one:
 - `--resume` with a config that changes anything defining the run (`RUN_FREE_FIELDS` may change;
   `--allow-config-change` lets the rest change, with a warning that lists it);
 - a second process on the same directory: an exclusive OS lock (`flock`), released on exit and on
-  a crash, names the holder's pid.
+  a crash, names the holder's pid. A process forked from the holder (a reward worker) closes its
+  copy of the lock at once, so that a child outliving a killed trainer cannot keep the lock.
 A run that fails before it has logged anything leaves no directory behind.
 
 `StopRequest` turns Ctrl-C and SIGTERM into a request the training loop honours at the next step
@@ -42,6 +43,19 @@ RUN_FREE_FIELDS = frozenset({"steps", "out", "checkpoint_every", "keep_checkpoin
                              "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus",
                              "rollout_kv_memory", "max_concurrent_rows"})
 Resume = Literal["never", "must", "auto"]
+# The lock files this process holds. An flock belongs to the open file, which a fork shares: a child
+# that kept its copy would keep the lock for as long as it lives.
+_held_locks: set = set()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close (never unlock: the lock is the parent's) the lock files it inherited."""
+    for handle in _held_locks:
+        handle.close()
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -72,6 +86,7 @@ class RunDir:
     def release(self, failed: bool) -> None:
         """Drop the lock; after a failure, remove a directory this run created and never wrote to."""
         if self._lock_handle is not None:
+            _held_locks.discard(self._lock_handle)
             self._lock_handle.close()
             self._lock_handle = None
         logged = (self.path / METRICS_FILE).exists() or (self.path / CHECKPOINT_DIR).exists()
@@ -118,6 +133,7 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
+    _held_locks.add(handle)
     run = RunDir(path, None, handle, created)
     try:
         if overwrite and holds_a_run(path):

@@ -27,7 +27,8 @@ class StepBatch:
 
     sample: `examples` (one per prompt), `rollouts` (the shards as sampled), `batch` (their rows for
         the learner), `generator` (the minibatch shuffle's, seeded with the step's seed);
-    score: `texts` (B decoded responses), `rewards` [B] float32;
+    score: `texts` (B decoded responses), `rewards` [B] float32 (the weighted sum of the reward functions),
+        `correct` [B] bool (the task's own reward calls the response correct, `is_correct`);
     recompute: `logp_old` [B, T] (π_old's log-probs of the sampled tokens), `logp_ref` [B, T] (the
         reference model's, when kl_coef > 0), `fused_forward` (the update's own forward, log-probs and
         entropy, when one optimizer step makes it π_old's too), `acceptance` (α metrics of a sparse sampler);
@@ -42,6 +43,7 @@ class StepBatch:
     generator: torch.Generator
     texts: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
     logp_old: torch.Tensor | None = None
     logp_ref: torch.Tensor | None = None
     fused_forward: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -49,6 +51,12 @@ class StepBatch:
     corrections: Corrections | None = None
     flagged: Corrections | None = None
     advantages: torch.Tensor | None = None
+
+
+def reward_metrics(rewards: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
+    """The step's rewards [B] and the share of responses that solved their task (`correct` [B] bool)."""
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": float(correct.float().mean())}
 
 
 def kept_vs_rejected(rewards: torch.Tensor, lengths: torch.Tensor, seq_keep: torch.Tensor, prefix: str,

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import time
 import warnings
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections, rejection_by_length
 from ..learner.distill import DistillTrainer, distill_config
 from ..learner.grpo import group_advantages, ppo_loss, token_coefficients
+from ..model.clock import now
 from ..model.forward import batched_logprobs, micro_batches, response_logprobs
 from ..model.loading import load_policy, resolve_device, sampling_generator
 from ..model.threads import set_threads
@@ -39,10 +39,10 @@ from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
 from ..rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
 from ..rollout.sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
 from ..rollout.schedule import AdaptiveBudget, BinnedBudget
-from ..rollout.scheduler import resolve_kv_memory
+from ..rollout.scheduler import RowLimits
 from ..rollout.speculative import SpeculativeSampler
 from ..rollout.speculative_drafts import draft_from_config
-from ..tasks.base import walk_metrics
+from ..tasks.base import is_correct, walk_metrics
 from ..tasks.registry import max_new_tokens, task_from_config
 from .checkpoint import TrainerState, load_adapter, load_trainer_state, save_checkpoint
 from .evaluation import decode_responses, greedy_scores, response_ids, task_rewards
@@ -50,7 +50,7 @@ from .hooks import AdaptiveBudgetHook, DistillSparseHook, RecalibrationHook, Ste
 from .layout import POLICY_DIR
 from .metrics import MetricsLogger
 from .run_dir import Resume, StopRequest, open_run_dir
-from .step_batch import StepBatch, kept_advantages, kept_vs_rejected, step_seed
+from .step_batch import StepBatch, kept_advantages, kept_vs_rejected, reward_metrics, step_seed
 
 LENGTH_BUCKETS = 4
 SLOW_STEP_FACTOR = 4.0  # a step this many times the run's median step time so far is said
@@ -153,7 +153,7 @@ class GRPOTrainer:
                                         record_distributions=self.sparse)
         self.rollouts = make_rollouts(config, self.engine, self.adapter, self.device)
         self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
-        self.kv_memory_bytes = resolve_kv_memory(config.rollout.rollout_kv_memory, self.device)
+        self.row_limits = RowLimits.from_rollout_config(config.rollout, self.device)
         self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.hooks = self._hooks(config)
@@ -225,7 +225,8 @@ class GRPOTrainer:
         for inference, compression in inferences.items():
             with self.sampler() if compression else contextlib.nullcontext():
                 scores = greedy_scores(self.model, self.tokenizer, self.task, self.eval_examples,
-                                       self.max_new_tokens, compression=compression, rewards=self.eval_rewards)
+                                       self.max_new_tokens, compression=compression, rewards=self.eval_rewards,
+                                       limits=self.row_limits)
             result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
         counts = self.eval_rewards.pop_counts()
         result.update({f"eval_{name}": counts[name] for name in ("reward_failures", "reward_timeouts")})
@@ -238,7 +239,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict[str, float]:
         """sample → score → recompute → correct → update → diagnose; the hooks join at their points."""
-        started = time.perf_counter()
+        started = now(self.device)
         record: dict[str, float] = {"step": step}
         before = {}
         for hook in self.hooks:
@@ -246,17 +247,18 @@ class GRPOTrainer:
         budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
         data = self._sample(step)
         self._score(data)
-        recompute_started = time.perf_counter()
+        recompute_started = now(self.device)
         self._recompute(data)
         for hook in self.hooks:
             record.update(hook.after_recompute(self, data))
         self._correct(data)
-        recompute_s = time.perf_counter() - recompute_started
-        update_started = time.perf_counter()
+        recompute_s = now(self.device) - recompute_started
+        update_started = now(self.device)
         rejected, skipped = self._guard_rejections(data)
         update = _SKIPPED_UPDATE if skipped else self._update_policy(data)
-        update_s = time.perf_counter() - update_started
-        record.update(rollout_metrics(data.batch, data.rewards, data.rollouts))
+        update_s = now(self.device) - update_started
+        record.update(reward_metrics(data.rewards, data.correct))
+        record.update(rollout_metrics(data.batch, data.rollouts))
         if self.draft is not None:
             record.update(self.engine.take_metrics())
         record.update(update)
@@ -267,7 +269,7 @@ class GRPOTrainer:
         self.state.reward_failures += counts["reward_failures"]
         self.state.reward_timeouts += counts["reward_timeouts"]
         record.update({**counts, "recompute_s": recompute_s, "update_s": update_s,
-                       "step_s": time.perf_counter() - started, "lr": self.optimizer.param_groups[0]["lr"]})
+                       "step_s": now(self.device) - started, "lr": self.optimizer.param_groups[0]["lr"]})
         return record
 
     def _sample(self, step: int) -> StepBatch:
@@ -281,8 +283,8 @@ class GRPOTrainer:
         sampling = SamplingConfig(max_new_tokens=self.max_new_tokens, temperature=cfg.rollout.temperature,
                                   eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id,
-                                  prompt_width=max(len(p) for p in prompts), kv_memory_bytes=self.kv_memory_bytes,
-                                  max_rows=cfg.rollout.max_concurrent_rows)
+                                  prompt_width=max(len(p) for p in prompts),
+                                  kv_memory_bytes=self.row_limits.kv_memory_bytes, max_rows=self.row_limits.max_rows)
         self.rollouts.sync_weights(self.model, self.state.step)
         rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
                                           self.compression if self.sparse else self.draft)
@@ -294,6 +296,8 @@ class GRPOTrainer:
         scores = self.reward.score_examples(data.examples, data.texts, response_ids(data.batch),
                                             self.config.rollout.group_size)
         data.rewards = torch.tensor(scores, dtype=torch.float32, device=self.device)
+        # Correct is the task's own verdict, never the weighted sum (a format bonus is not a solution).
+        data.correct = torch.tensor([is_correct(s) for s in self.reward.last_scores["task"]], device=self.device)
 
     def _recompute(self, data: StepBatch) -> None:
         """π_old (the dense policy before the update), the reference model's log-probs, and α."""
