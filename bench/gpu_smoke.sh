@@ -39,7 +39,9 @@ PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$MODEL" "$DEVIC
 import sys, time, torch
 from common import compression_interval
 from sparserl.model.loading import load_policy
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression
 model_dir, device, lengths = sys.argv[1] or None, sys.argv[2], [int(n) for n in sys.argv[3:]]
 model, tokenizer = load_policy(model_dir, torch.bfloat16, device)
 synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

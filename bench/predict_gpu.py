@@ -1,5 +1,5 @@
 """A prediction, not a measurement: the rollout speedup a KV budget buys for a 1.5B model with
-4k-token responses on one 80 GB GPU, from the cost model (`sparserl.rollout.cost_model`) fed with
+4k-token responses on one 80 GB GPU, from the cost model (`sparserl.rollout.engine.cost_model`) fed with
 stated hardware rates instead of probed ones.
 
     python bench/predict_gpu.py [--requests 1024] [--prompt 256] [--max-response 4096]
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import random
 
-from sparserl.rollout.cost_model import CostModel, Rates, Shapes
-from sparserl.rollout.engine import KVCompression
+from sparserl.rollout.engine.cost_model import CostModel, Rates, Shapes
+from sparserl.rollout.sparsity.eviction import KVCompression
 
 GPU_BYTES = 80e9
 PEAK_FLOPS, FLOP_EFFICIENCY = 989e12, 0.6  # H100 SXM bf16 dense

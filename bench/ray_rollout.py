@@ -35,7 +35,10 @@ import torch
 from common import contention_probe
 
 from sparserl.config.schema import load_config
-from sparserl.rollout.ray_backend import arrays_from_tensors, tensors_from_arrays
+from sparserl.rollout.dispatch.ray_workers import (
+    arrays_from_tensors,
+    tensors_from_arrays,
+)
 from sparserl.train.trainer import GRPOTrainer
 
 COLUMNS = ("step_s", "rollout_s", "tokens_per_s", "weight_push_s", "weight_load_s", "rollout_transfer_s")

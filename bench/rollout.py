@@ -68,7 +68,7 @@ ALL_MODELS = ("builtin", "30m")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from sparserl.rollout.kv_policies import POLICIES
+    from sparserl.rollout.sparsity.policies import POLICIES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="builtin,30m", help="comma list of builtin,30m (default both)")
@@ -158,7 +158,8 @@ def make_prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------------------- runs
 def run_ours(model, prompts, length: int, comp, seed: int) -> dict:
-    from sparserl.rollout.engine import RolloutEngine, SamplingConfig
+    from sparserl.rollout.batch import SamplingConfig
+    from sparserl.rollout.engine.engine import RolloutEngine
 
     engine = RolloutEngine(model, comp, record_evictions=False)
     sampling = SamplingConfig(max_new_tokens=length - PROMPT_LEN, temperature=1.0, eos_token_id=None)
@@ -213,8 +214,8 @@ def hf_enabled(args, model_name: str) -> bool:
 
 def make_sparsity(policy: str | None, budget: int | None, interval: int | None):
     """The engine's sparsity for one row: None (dense), a BlockSparsity, or a KVCompression."""
-    from sparserl.rollout.block_sparse import BlockSparsity
-    from sparserl.rollout.engine import KVCompression
+    from sparserl.rollout.sparsity.block_sparse import BlockSparsity
+    from sparserl.rollout.sparsity.eviction import KVCompression
 
     if policy is None:
         return None
@@ -411,9 +412,11 @@ def stress(args) -> dict:
 
     from sparserl.config.schema import load_config
     from sparserl.model.loading import load_policy
-    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-    from sparserl.rollout.kv_policies import POLICIES
-    from sparserl.rollout.scheduler import request_seed
+    from sparserl.rollout.batch import SamplingConfig
+    from sparserl.rollout.dispatch.scheduler import request_seed
+    from sparserl.rollout.engine.engine import RolloutEngine
+    from sparserl.rollout.sparsity.eviction import KVCompression
+    from sparserl.rollout.sparsity.policies import POLICIES
     from sparserl.tasks.registry import max_new_tokens, task_from_config
 
     config = load_config()
@@ -467,7 +470,7 @@ def stress_text(r: dict) -> str:
 
 
 def profile(args, spec: str) -> str:
-    from sparserl.rollout.engine import KVCompression
+    from sparserl.rollout.sparsity.eviction import KVCompression
 
     model_name, length, policy = spec.split(":")
     length = int(length)

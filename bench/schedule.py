@@ -2,7 +2,7 @@
 
     python bench/schedule.py --threads 1 [--models builtin,30m] [--lengths 512,1024,2048,4096] [--batch 32]
 
-The cost model (`sparserl.rollout.cost_model`) is probed once per model and batch (matmul rate,
+The cost model (`sparserl.rollout.engine.cost_model`) is probed once per model and batch (matmul rate,
 bandwidth, per-step and per-cached-token cost at cache lengths 64 and max(L)/2, per-compression
 cost), or read from the rates cache (`--rates`, default ~/.cache/sparserl/cost_rates.json;
 `--reprobe` measures again), then predicts each configuration's rollout time from the model's
@@ -30,9 +30,9 @@ import torch
 from common import compression_interval, contention_probe
 from rollout import PROMPT_LEN, WINDOW, build_model, make_prompts, run_ours
 
-from sparserl.rollout.cost_model import DEFAULT_CACHE, CostModel
-from sparserl.rollout.engine import KVCompression
-from sparserl.rollout.schedule import BinnedBudget
+from sparserl.rollout.engine.cost_model import DEFAULT_CACHE, CostModel
+from sparserl.rollout.sparsity.budgets import BinnedBudget
+from sparserl.rollout.sparsity.eviction import KVCompression
 
 
 def configurations(length: int) -> list[tuple[str, object]]:

@@ -42,8 +42,15 @@ from common import compression_interval, contention_probe
 
 from sparserl.config.schema import load_config
 from sparserl.model.loading import builtin_model_config, load_policy
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.scheduler import merge_waves, request_seed, rows_in_flight, schedule_rollouts
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.dispatch.scheduler import (
+    merge_waves,
+    request_seed,
+    rows_in_flight,
+    schedule_rollouts,
+)
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression
 from sparserl.tasks.registry import max_new_tokens, task_from_config
 
 STRESS_BUDGET = 56

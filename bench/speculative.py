@@ -40,10 +40,12 @@ from common import compression_interval, contention_probe
 from transformers import LlamaForCausalLM
 
 from sparserl.model.loading import builtin_model_config, load_policy
-from sparserl.rollout.block_sparse import BlockSparsity
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.speculative import SpeculativeSampler
-from sparserl.rollout.speculative_drafts import WindowDraft
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.block_sparse import BlockSparsity
+from sparserl.rollout.sparsity.eviction import KVCompression
+from sparserl.rollout.speculative.drafts import WindowDraft
+from sparserl.rollout.speculative.sampler import SpeculativeSampler
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 PROMPT_LEN = 64

@@ -150,7 +150,12 @@ class Ours:
 def run_trl(args, model_dir: Path, root: Path, after_step=None) -> dict:
     """TRL's trainer for warmup + steps steps; `after_step(k)` runs after its step k, outside the timing."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PrinterCallback,
+        TrainerCallback,
+    )
     from trl import GRPOConfig, GRPOTrainer
 
     from sparserl.tasks.pointer_walk import PointerWalkTask

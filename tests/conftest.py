@@ -54,7 +54,7 @@ def replay_logprobs(model, batch, rows=None) -> torch.Tensor:
     """Sparse-sampler log-probs `[n, T]` of `batch`'s responses, rebuilt by one forward under the
     replay masks: what every exact-replay test compares with the recorded ones."""
     from sparserl.model.forward import response_logprobs
-    from sparserl.rollout.replay import replay_attention
+    from sparserl.rollout.sparsity.replay import replay_attention
 
     rows = slice(None) if rows is None else rows
     with replay_attention(model, batch, rows):
@@ -80,3 +80,12 @@ def kill_part_way_then_resume(argv: list[str], out, steps: int, lines: int) -> i
     assert 0 < done < steps, "the run should have been killed part-way"
     assert main([*argv, "--resume"]) == 0
     return done
+
+
+def without_host_reads(monkeypatch) -> None:
+    """Turn off the CPU-only shortcuts that read a value back to the host (`host_reads_are_cheap`), wherever a
+    module imported it, so a rollout on the CPU takes the GPU's path."""
+    import sparserl.rollout.sparsity.policies  # noqa: F401 - every policy module, imported
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sparserl.") and hasattr(module, "host_reads_are_cheap"):
+            monkeypatch.setattr(module, "host_reads_are_cheap", lambda tensor: False)

@@ -1,41 +1,40 @@
 """The package's layout rules, read from the source with `ast` (no import runs):
 
-- the rollout side (`rollout/`) imports nothing of the learner's, the run's or the commands'
-  (`learner/`, `train/`, `experiments/`, `report/`, `cli`), so that a rollout worker carries only
-  what samples;
-- `learner/` is tensor maths: it does no file I/O (no file-handling module, no `open`, `save`, `load`);
-- imports point down the stack: commands → one run → learner and rollout → model and tasks.
+- no cycle at any package level: among the top-level packages and modules of `sparserl`, and among the children
+  of every package inside it (`rollout/`'s rooms, `dispatch/`'s modules, ...), counting `from .. import x` and
+  imports inside functions; an import under `if TYPE_CHECKING:` runs nowhere and does not count;
+- imports point down the stack: commands → one run → the learner → the config → the rollout side → the model →
+  rewards → tasks → errors. The config sits above the rollout side and the tasks because it derives flags from
+  their registries (KV policies, tasks, dispatch backends), which live below it;
+- the rollout side imports nothing of the learner's, the run's or the commands', so that a rollout worker carries
+  only what samples;
+- `learner/` is tensor maths: it does no file I/O (no file-handling module, no `open`, `save`, `load`).
 """
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sparserl"
 
-# Each layer may import its own and any layer listed after it (rewards and tasks are leaves that
-# the model-free layers share; config and errors sit at the bottom).
+# Each layer may import its own and any layer listed after it.
 LAYERS = [
-    {"cli"},
+    {"cli", "commands"},
     {"experiments", "report", "interop"},
     {"train"},
     {"learner"},
+    {"config"},
     {"rollout"},
-    {"model", "rewards", "tasks"},
-    {"config", "errors"},
+    {"model"},
+    {"rewards"},
+    {"tasks"},
+    {"errors"},
 ]
-ROLLOUT_MAY_NOT_IMPORT = {"learner", "train", "experiments", "report", "cli"}
-# Upward imports, each with why it exists: the config derives the KV policies' options (flags,
-# defaults, help) from the policies' own dataclasses and the task names from the task registry, and
-# checks schedule files with the rollout side's reader, so that each lives in one place. The list may
-# only shrink: an entry that no longer happens fails too, so that it is deleted here.
-KNOWN_UPWARD = {
-    "config.flags": ["sparserl.rollout.kv_policies", "sparserl.tasks.registry"],
-    "config.schema": ["sparserl.rollout.kv_policies", "sparserl.rollout.schedule", "sparserl.tasks.registry"],
-}
+ROLLOUT_MAY_NOT_IMPORT = {"learner", "train", "experiments", "report", "cli", "commands", "config"}
 IO_MODULES = {"pathlib", "json", "yaml", "safetensors", "shutil", "pickle", "tensorboard", "csv"}
 IO_CALLS = {"open", "save", "load", "save_file", "load_file", "write_text", "read_text"}
 
@@ -44,17 +43,37 @@ def _modules() -> dict[str, Path]:
     return {".".join(path.relative_to(PACKAGE).with_suffix("").parts): path for path in PACKAGE.rglob("*.py")}
 
 
+MODULES = _modules()
+# Every module and package of sparserl, as `learner.grpo`, `learner`, `cli`.
+PACKAGE_MODULES = {name.removesuffix(".__init__") for name in MODULES}
+
+
+def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
+    """The import nodes under `if TYPE_CHECKING:`: annotations only, they never run."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skipped |= {child for statement in node.body for child in ast.walk(statement)}
+    return skipped
+
+
 def _imports(name: str, source: str) -> set[str]:
     """Absolute names of everything module `name` (`source`) imports, at any depth; `from X import y`
     names `X` and, when `y` is a module of the package, `X.y` too (`from .. import learner`)."""
+    is_package = name.endswith(".__init__") or name == "__init__"
     package = name.split(".")[:-1]
+    tree = ast.parse(source)
+    skipped = _type_checking_only(tree)
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - (node.level - 1)]
+                # In a package's __init__, `.` is the package itself; in a module, its parent package.
+                base = package[: len(package) - (node.level - 1)] if not is_package or node.level > 1 else package
                 target = ".".join(base + ([node.module] if node.module else []))
                 target = "sparserl." + target if target else "sparserl"
             else:
@@ -63,10 +82,6 @@ def _imports(name: str, source: str) -> set[str]:
             found |= {f"{target}.{alias.name}" for alias in node.names
                       if f"{target}.{alias.name}".removeprefix("sparserl.") in PACKAGE_MODULES}
     return found
-
-
-# Every module and package of sparserl, as `learner.grpo`, `learner`, `cli`.
-PACKAGE_MODULES = {name.removesuffix(".__init__") for name in _modules()}
 
 
 def _top(name: str) -> str:
@@ -78,7 +93,60 @@ def _layer(part: str) -> int:
     return next(i for i, layer in enumerate(LAYERS) if part in layer)
 
 
-GRAPH = {name: _imports(name, path.read_text()) for name, path in _modules().items()}
+GRAPH = {name: {t for t in _imports(name, path.read_text()) if t.startswith("sparserl")}
+         for name, path in MODULES.items()}
+
+
+def _children_graph(package: str) -> dict[str, set[str]]:
+    """Edges between the direct children (modules and sub-packages) of `package` ("" for sparserl itself),
+    from every import of a module below one child into another child. A package's own `__init__` imports
+    its children (registration lines) and is no child itself."""
+    depth = len(package.split(".")) if package else 0
+    prefix = package + "." if package else ""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, targets in GRAPH.items():
+        if not name.startswith(prefix) or name == prefix + "__init__":
+            continue
+        source = name.split(".")[depth]
+        for target in targets:
+            inside = target.removeprefix("sparserl").lstrip(".")
+            if not inside.startswith(prefix) or inside == package:
+                continue
+            child = inside.split(".")[depth] if len(inside.split(".")) > depth else None
+            if child and child != source:
+                edges[source].add(child)
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as the nodes along it, or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+PACKAGES = sorted({"", *(name.removesuffix(".__init__") for name in MODULES if name.endswith("__init__")
+                         and name != "__init__")})
 
 
 def test_every_module_belongs_to_a_layer():
@@ -86,18 +154,24 @@ def test_every_module_belongs_to_a_layer():
     assert parts <= set().union(*LAYERS), f"modules outside every layer: {parts - set().union(*LAYERS)}"
 
 
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p or "sparserl")
+def test_no_cycle_among_the_children_of_any_package(package):
+    cycle = _cycle(_children_graph(package))
+    assert cycle is None, f"in {package or 'sparserl'}: {' -> '.join(cycle)}"
+
+
 @pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith("rollout.")))
-def test_the_rollout_side_imports_nothing_of_the_learner_or_the_run(name):
+def test_the_rollout_side_imports_nothing_of_the_learner_the_run_or_the_config(name):
     reached = {_top(target) for target in GRAPH[name]} & ROLLOUT_MAY_NOT_IMPORT
     assert not reached, f"rollout module {name} imports {reached}"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith("learner.")))
 def test_the_learner_does_no_io(name):
-    modules = {target.split(".")[0] for target in GRAPH[name]} & IO_MODULES
+    modules = {target.split(".")[0] for target in _imports(name, MODULES[name].read_text())} & IO_MODULES
     assert not modules, f"{name} imports I/O modules {modules}"
     calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
-             for node in ast.walk(ast.parse(_modules()[name].read_text())) if isinstance(node, ast.Call)}
+             for node in ast.walk(ast.parse(MODULES[name].read_text())) if isinstance(node, ast.Call)}
     assert not calls & IO_CALLS, f"{name} calls {calls & IO_CALLS}"
 
 
@@ -105,13 +179,20 @@ def test_the_learner_does_no_io(name):
 def test_imports_point_down_the_stack(name):
     own = _layer(name.split(".")[0])
     upward = sorted(target for target in GRAPH[name] if _top(target) and _layer(_top(target)) < own)
-    assert upward == KNOWN_UPWARD.get(name, []), f"{name} imports modules of a higher layer: {upward}"
+    assert not upward, f"{name} imports modules of a higher layer: {upward}"
 
 
-def test_the_reader_sees_relative_and_absolute_imports():
+def test_the_reader_sees_every_kind_of_import():
     source = ("from ..train.trainer import GRPOTrainer\nfrom . import engine\nimport sparserl.learner.grpo\n"
-              "from .. import cli\n")
+              "from .. import cli\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..learner import alpha\n"
+              "def late():\n    from ..config import schema\n")
     found = _imports("rollout.sampler", source)
     assert found == {"sparserl.train.trainer", "sparserl.rollout", "sparserl.rollout.engine", "sparserl.learner.grpo",
-                     "sparserl", "sparserl.cli"}
-    assert {_top(t) for t in found} & ROLLOUT_MAY_NOT_IMPORT == {"train", "learner", "cli"}
+                     "sparserl", "sparserl.cli", "typing", "sparserl.config", "sparserl.config.schema"}
+    assert _imports("rollout.dispatch.__init__", "from . import local\n") == {"sparserl.rollout.dispatch",
+                                                                              "sparserl.rollout.dispatch.local"}
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}}) is None

@@ -11,10 +11,19 @@ import torch
 from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
 
 from sparserl.model.forward import response_logprobs
-from sparserl.rollout.block_sparse import BlockSelector, BlockSparsity, PageCentroids, page_scores, select_pages
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig, sparsity_from_config
-from sparserl.rollout.kv_cache import build_cache
-from sparserl.rollout.schedule import BinnedBudget
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.cache import build_cache
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.block_sparse import (
+    BlockSelector,
+    BlockSparsity,
+    PageCentroids,
+    page_scores,
+    select_pages,
+)
+from sparserl.rollout.sparsity.budgets import BinnedBudget
+from sparserl.rollout.sparsity.eviction import KVCompression
+from sparserl.rollout.sparsity.settings import adaptive_budget, sparsity_from_config
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 PAGE = 4
@@ -271,6 +280,9 @@ def test_sparsity_from_config():
     assert block.budgets.budget(10**5) == 96 and block.pages(0) == 12
     scheduled = dataclasses.replace(block, schedule=BinnedBudget(16, (48, 64)))
     assert scheduled.schedule.budget(20) == 64 and scheduled.pages(0) == 6
-    adaptive = sparsity_from_config(load_config(None, {"sparsity": "block", "kv_schedule": "adaptive"}).rollout)
-    assert adaptive.schedule.step == 16 and adaptive.schedule.floor == 48
+    # An adaptive schedule starts at the budget; its controller moves a page at a time, never below 3 pages.
+    rollout = load_config(None, {"sparsity": "block", "kv_schedule": "adaptive"}).rollout
+    assert sparsity_from_config(rollout).schedule is None
+    controller = adaptive_budget(rollout)
+    assert controller.step == 16 and controller.floor == 48 and controller.snapshot().budgets == (rollout.kv_budget,)
     assert isinstance(sparsity_from_config(load_config(None, {}).rollout), KVCompression)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from sparserl.cli import main
-from sparserl.rollout.schedule import BinnedBudget
+from sparserl.rollout.sparsity.budgets import BinnedBudget
 
 
 def test_binned_schedule_by_hand():
@@ -44,7 +44,7 @@ def test_calibrate_then_eval_with_the_schedule(tmp_path, capsys):
 
 
 def test_adaptive_budget_rule_by_hand():
-    from sparserl.rollout.schedule import AdaptiveBudget
+    from sparserl.rollout.sparsity.budgets import AdaptiveBudget
 
     schedule = AdaptiveBudget(initial=40, bin_size=16, tau=0.86, step=8, floor=9)
     # Bin 32 fails: every bin up to it grows (an early eviction broke it); new bins start at 40.
@@ -58,7 +58,7 @@ def test_adaptive_budget_rule_by_hand():
     assert schedule.budgets == [56, 56, 56, 56]
     # Clearly above everywhere: give back a notch, never below the floor.
     schedule.update({16: 1.0, 48: 0.99})
-    assert schedule.budgets == [48, 48, 48, 48] and schedule.budget(10_000) == 48
+    assert schedule.budgets == [48, 48, 48, 48] and schedule.snapshot().budget(10_000) == 48
     tiny = AdaptiveBudget(initial=12, bin_size=16, tau=0.5, step=8, floor=9)
     tiny.update({0: 1.0})
     assert tiny.budgets == [9]

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from sparserl.config.schema import ConfigError, ExperimentConfig, load_config, save_config
+from sparserl.config.schema import (
+    ConfigError,
+    ExperimentConfig,
+    load_config,
+    save_config,
+)
 
 
 def _write(tmp_path, text: str, name: str = "config.yaml"):
@@ -213,7 +218,7 @@ def test_minibatches_that_divide_are_fine():
     {},
     {"band": "none", "veto_threshold": "none", "mode": "sparse-rl", "model": "/tmp/m", "kv_per_head": True,
      "lr": 1e-6, "loss_agg": "token-mean", "template": "Q: {prompt}\nA:", "prompt_key": "123",
-     "log_with": "none", "is_level": "geometric", "dtype": "bfloat16", "data_path": "yes"},
+     "log_with": "none", "is_level": "geometric", "dtype": "bfloat16", "task": "math_jsonl", "data_path": "yes"},
     {"band": "0.6,1.4", "clip_eps_high": 0.28, "kl_coef": 0.0},
 ])
 def test_save_load_round_trip(tmp_path, overrides):

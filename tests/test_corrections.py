@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from sparserl.config.corrections import CorrectionConfig
-from sparserl.learner.corrections import Corrections, compute_corrections, rejection_by_length
+from sparserl.learner.corrections import (
+    Corrections,
+    compute_corrections,
+    rejection_by_length,
+)
 
 MODES = ("truncate", "clip", "mask", "none")
 LEVELS = ("token", "sequence", "geometric")

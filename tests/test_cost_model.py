@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from sparserl.rollout.cost_model import CostModel, Rates, Shapes, cache_lengths
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.schedule import BinnedBudget, FixedBudget
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.cost_model import CostModel, Rates, Shapes, cache_lengths
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.budgets import BinnedBudget, FixedBudget
+from sparserl.rollout.sparsity.eviction import KVCompression
 
 SHAPES = Shapes(layers=2, hidden=4, q_heads=2, kv_heads=1, head_dim=2, vocab=10, body_params=100, width=4)
 RATES = Rates(flop_rate=1e3, bandwidth=1e3, cached_token_s=0.01, overhead_s=0.5, sparse_overhead_s=0.25,
@@ -91,7 +93,7 @@ def test_a_constant_schedule_predicts_the_fixed_budget():
 
 
 def test_rates_are_probed_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    import sparserl.rollout.cost_model as cost_model
+    import sparserl.rollout.engine.cost_model as cost_model
 
     calls = []
     monkeypatch.setattr(cost_model, "probe", lambda *args: calls.append(args) or RATES)

@@ -9,14 +9,21 @@ import random
 
 import pytest
 import torch
-from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
+from conftest import (
+    make_tiny_gemma3,
+    make_tiny_model,
+    replay_logprobs,
+    without_host_reads,
+)
 
-from sparserl.rollout import decode_loop, kv_policies
-from sparserl.rollout.block_sparse import BlockSparsity
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.kv_policies import POLICIES
-from sparserl.rollout.schedule import BinnedBudget
-from sparserl.rollout.scheduler import schedule_rollouts
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.dispatch.scheduler import schedule_rollouts
+from sparserl.rollout.engine import decode_loop
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.block_sparse import BlockSparsity
+from sparserl.rollout.sparsity.budgets import BinnedBudget
+from sparserl.rollout.sparsity.eviction import KVCompression
+from sparserl.rollout.sparsity.policies import POLICIES
 
 WIDTH = 10  # every prompt is padded to it, so a request's columns do not depend on the batch
 
@@ -279,7 +286,7 @@ def test_the_path_without_host_reads_samples_the_same_with_joins(tiny64, policy,
     model, tokenizer = tiny64
     engine = RolloutEngine(model, _compression(policy, per_head=policy in ("h2o", "snapkv")), record_evictions=True)
     cpu = engine.generate(_prompts(), _sampling(tokenizer), seeds=_seeds(7), max_rows=3)
-    monkeypatch.setattr(kv_policies, "host_reads_are_cheap", lambda tensor: False)
+    without_host_reads(monkeypatch)
     gpu = engine.generate(_prompts(), _sampling(tokenizer), seeds=_seeds(7), max_rows=3)
     assert torch.equal(cpu.response_ids, gpu.response_ids)
     assert torch.equal(cpu.sampler_logprobs, gpu.sampler_logprobs)

@@ -80,12 +80,13 @@ def test_decode_loop_host_syncs(monkeypatch, eos, compression):
     """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout on a GPU:
     none per decode step without EOS, one per step (the stop check) with it, a bounded few otherwise.
     The policies' CPU-only shortcuts (`host_reads_are_cheap`) are turned off, as on a GPU."""
-    from conftest import make_tiny_model
+    from conftest import make_tiny_model, without_host_reads
 
-    from sparserl.rollout import kv_policies
-    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+    from sparserl.rollout.batch import SamplingConfig
+    from sparserl.rollout.engine.engine import RolloutEngine
+    from sparserl.rollout.sparsity.eviction import KVCompression
 
-    monkeypatch.setattr(kv_policies, "host_reads_are_cheap", lambda tensor: False)
+    without_host_reads(monkeypatch)
 
     model, tokenizer = make_tiny_model()
     engine = RolloutEngine(model, KVCompression(compression, budget=12, window=3, interval=4) if compression else None,
@@ -107,9 +108,9 @@ def test_decode_loop_host_syncs(monkeypatch, eos, compression):
 
 
 def test_the_dense_recompute_runs_sdpa_and_matches_eager_attention(tiny_model_dir, monkeypatch):
+    from sparserl.model import attention
     from sparserl.model.forward import response_logprobs
     from sparserl.model.loading import load_policy
-    from sparserl.rollout import attention
 
     model, _ = load_policy(str(tiny_model_dir))
     ids = torch.randint(3, 20, (3, 12))

@@ -14,7 +14,9 @@ from sparserl.cli import main
 from sparserl.learner.distill import DistillConfig, DistillTrainer
 from sparserl.model.forward import batched_logprobs
 from sparserl.rollout.adapter import AdapterConfig, SamplerAdapter
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression
 from sparserl.tasks.pointer_walk import PointerWalkTask
 from sparserl.train.metrics import read_metrics
 
@@ -69,7 +71,7 @@ def test_alpha_replays_the_adapted_sampler_when_its_distributions_are_not_kept(m
     """On a large vocabulary α comes from the replay: under the adapter it equals α from the
     adapted sampler's recorded distributions, and without it, it would measure another sampler."""
     from sparserl.learner.alpha import rollout_acceptance
-    from sparserl.rollout import engine as engine_module
+    from sparserl.rollout.engine import engine as engine_module
 
     model, tokenizer = make_tiny_model()
     adapter = SamplerAdapter(model, AdapterConfig())

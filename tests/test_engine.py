@@ -9,8 +9,10 @@ import torch
 from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
 
 from sparserl.model.forward import response_logprobs
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.kv_policies import POLICIES
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression
+from sparserl.rollout.sparsity.policies import POLICIES
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 ALL_POLICIES = sorted(POLICIES)
@@ -194,7 +196,7 @@ def test_policy_parameters_reach_the_policies():
 def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
     """R-KV keeps its similarity row sums between compressions; at every compression of a real
     rollout they must give what recomputing the whole similarity matrix gives."""
-    from sparserl.rollout.kv_policies import RKV
+    from sparserl.rollout.sparsity.policies import RKV
 
     class CheckedRKV(RKV):
         checked = 0
@@ -246,8 +248,8 @@ def test_a_large_vocabulary_gets_the_exact_alpha_from_the_replay(tiny, sparsity,
     """Over FULL_DISTRIBUTION_VOCAB the engine keeps no [N, T, V] distributions but what replays the
     sampler, and α rebuilt from the replay equals α from the recorded distributions."""
     from sparserl.learner.alpha import rollout_acceptance
-    from sparserl.rollout import engine as engine_module
-    from sparserl.rollout.block_sparse import BlockSparsity
+    from sparserl.rollout.engine import engine as engine_module
+    from sparserl.rollout.sparsity.block_sparse import BlockSparsity
 
     model, tokenizer = tiny
     prompts = _prompts(tokenizer)
@@ -283,7 +285,7 @@ def test_a_budget_schedule_grows_memory_with_it_and_replays_exactly(tiny):
     """Under a schedule the budget follows the cached length: each compression keeps the budget of
     its length's bin, memory never exceeds the largest budget reached plus an interval, the replay
     still reproduces the sampler, and a schedule past every length is bitwise dense."""
-    from sparserl.rollout.schedule import BinnedBudget
+    from sparserl.rollout.sparsity.budgets import BinnedBudget
 
     model, tokenizer = tiny
     prompts = _prompts(tokenizer, ragged=False)  # 20 tokens each

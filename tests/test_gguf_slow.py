@@ -43,7 +43,9 @@ def test_sparse_replay_on_gemma3(gemma_dir):
     from conftest import replay_logprobs
 
     from sparserl.model.loading import load_policy
-    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+    from sparserl.rollout.batch import SamplingConfig
+    from sparserl.rollout.engine.engine import RolloutEngine
+    from sparserl.rollout.sparsity.eviction import KVCompression
 
     model, tokenizer = load_policy(str(gemma_dir))
     prompts = [tokenizer("The capital of France is").input_ids, tokenizer("2 + 2 =").input_ids]

@@ -11,7 +11,7 @@ import torch
 
 from sparserl.config.corrections import CorrectionConfig
 from sparserl.learner.corrections import compute_corrections
-from sparserl.learner.grpo import group_advantages, k3, ppo_loss, token_coefficients
+from sparserl.learner.grpo import group_advantages, kl_k3, ppo_loss, token_coefficients
 
 D = torch.float64
 
@@ -152,7 +152,7 @@ def test_fully_rejected_sequence_counts_in_the_sequence_mean():
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
 def test_kl_term_hand_example(agg):
     new, old, adv, w, mask, ref = _hand_inputs()
-    torch.testing.assert_close(k3(new, ref), t(K3), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(kl_k3(new, ref), t(K3), rtol=1e-9, atol=1e-12)
     if agg == "seq-mean-token-mean":
         pg = (-3.196 / 3 + 5.0 / 2) / 2
         kl = ((K3[0][0] + K3[0][1] + K3[0][2]) / 3 + (K3[1][0] + K3[1][1]) / 2) / 2
@@ -173,7 +173,7 @@ def test_k3_is_clamped_and_non_negative():
     logp = t([0.0, 0.0, 0.0, 0.0])
     ref = t([5.0, -30.0, 0.0, 1e-3])
     # 5 -> e^5 - 6 = 142.4 -> 10; -30 -> e^-30 - 1 + 30 = 29.0 -> 10; 0 -> 0; 1e-3 -> ~ 5e-7
-    got = k3(logp, ref)
+    got = kl_k3(logp, ref)
     assert got[0].item() == 10.0 and got[1].item() == 10.0 and got[2].item() == 0.0
     assert got[3].item() == pytest.approx(math.exp(1e-3) - 1 - 1e-3, rel=1e-6)
 

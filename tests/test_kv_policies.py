@@ -8,7 +8,7 @@ import typing
 import pytest
 import torch
 
-from sparserl.rollout.kv_policies import (
+from sparserl.rollout.sparsity.policies import (
     H2O,
     POLICIES,
     RKV,
@@ -345,7 +345,7 @@ def _another_valid_value(option):
 @pytest.mark.parametrize("key", sorted(policy_options()))
 def test_every_policy_option_is_a_flag_that_reaches_each_policy_taking_it(key):
     from sparserl.config.schema import load_config
-    from sparserl.rollout.engine import KVCompression
+    from sparserl.rollout.sparsity.eviction import KVCompression
 
     option = policy_options()[key]
     value = _another_valid_value(option)
@@ -393,7 +393,11 @@ def test_select_slots_column_order_shortcut_equals_sorts(seed):
 
 
 def test_rkv_helpers_equal_their_plain_forms():
-    from sparserl.rollout.kv_policies import _gather_rows, _true_positions, _zero_upper
+    from sparserl.rollout.sparsity.policies.rkv import (
+        _gather_rows,
+        _true_positions,
+        _zero_upper,
+    )
 
     gen = torch.Generator().manual_seed(0)
     for shape, first in (((3, 2, 40, 200), 150), ((2, 2, 4, 30), 20)):  # the where() path and tril_'s
@@ -420,10 +424,11 @@ def test_the_gpu_path_without_host_reads_samples_what_the_cpu_shortcuts_sample(p
     """The shortcuts taken where host reads are free (skipped masks, sort-free orders, nonzero) change
     no bit: the same rollout with them turned off (as on a GPU) gives the same tokens, log-probs and
     eviction records."""
-    from conftest import make_tiny_model
+    from conftest import make_tiny_model, without_host_reads
 
-    from sparserl.rollout import kv_policies
-    from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+    from sparserl.rollout.batch import SamplingConfig
+    from sparserl.rollout.engine.engine import RolloutEngine
+    from sparserl.rollout.sparsity.eviction import KVCompression
 
     model, tokenizer = make_tiny_model(seed=2)
     prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12][: 5 + i % 4] for i in range(6)]
@@ -434,7 +439,7 @@ def test_the_gpu_path_without_host_reads_samples_what_the_cpu_shortcuts_sample(p
         return engine.generate(prompts, sampling, seeds=list(range(6)))
 
     cpu = sample()
-    monkeypatch.setattr(kv_policies, "host_reads_are_cheap", lambda tensor: False)
+    without_host_reads(monkeypatch)
     gpu = sample()
     assert torch.equal(cpu.response_ids, gpu.response_ids)
     assert torch.equal(cpu.sampler_logprobs, gpu.sampler_logprobs)

@@ -14,7 +14,9 @@ import transformers
 from conftest import make_tiny_gemma3, replay_logprobs
 
 from sparserl.model.forward import response_logprobs
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression
 
 PAD, BOS, EOS = 0, 1, 3
 NEW_TOKENS = 24

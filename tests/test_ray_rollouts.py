@@ -16,7 +16,10 @@ from safetensors.torch import load_file
 
 from sparserl.cli import main
 from sparserl.config.schema import load_config
-from sparserl.rollout.ray_backend import arrays_from_tensors, tensors_from_arrays
+from sparserl.rollout.dispatch.ray_workers import (
+    arrays_from_tensors,
+    tensors_from_arrays,
+)
 from sparserl.train.metrics import read_metrics
 from sparserl.train.trainer import GRPOTrainer
 
@@ -92,6 +95,25 @@ def test_a_worker_samples_with_the_drivers_thread_count(local_ray, tiny_model_di
     assert counts == [2, 2]
 
 
+def test_speculative_rollouts_on_workers_are_the_exact_dense_samples_of_in_process(local_ray, tiny_model_dir,
+                                                                                   tmp_path):
+    """Workers build the speculative sampler the config asks for (not a plain or block-sparse engine): the same
+    shards sample the same tokens as in process, their log-probs are the dense policy's (ξ = 1), and the
+    acceptance counts come back from the workers."""
+    speculative = {"speculative": "true", "speculative_draft": "block", "kv_budget": 12, "block_page_size": 4,
+                   "block_dense_layers": 0, "draft_tokens": 3, "eval_every": 0, "max_new_tokens": 24,
+                   "ignore_eos": "true"}
+    assert main(_argv(_settings(tiny_model_dir, tmp_path / "local", rollout_shards=2, **speculative), 2)) == 0
+    assert main(_argv(_settings(tiny_model_dir, tmp_path / "workers", rollout_workers=2, **speculative), 2)) == 0
+    spec_timings = {"spec_draft_s", "spec_verify_s"}
+    in_process, on_workers = _comparable(tmp_path / "local", spec_timings), _comparable(tmp_path / "workers",
+                                                                                      spec_timings)
+    assert in_process == on_workers
+    for record in on_workers:
+        assert 0 < record["spec_acceptance_rate"] < 1  # the draft is sparse: some drafts were rejected
+        assert abs(record["xi_min"] - 1) < 1e-5 and abs(record["xi_max"] - 1) < 1e-5  # exact dense samples
+
+
 def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model_dir, tmp_path):
     def _optimizers_held(worker) -> tuple[bool, int]:
         """In a worker (nested, so that Ray ships it by value): whether it holds the adapter, and
@@ -100,7 +122,7 @@ def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model
 
         import torch
 
-        return worker.sampler.adapter is not None, sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects())
+        return worker.adapter is not None, sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects())
 
     settings = _settings(tiny_model_dir, tmp_path / "run", rollout_workers=2, distill_sparse="true", distill_rank=2)
     trainer = GRPOTrainer(load_config(None, settings))

@@ -9,7 +9,12 @@ import pytest
 
 from sparserl.report.common import cell
 from sparserl.report.plots import PLOTS
-from sparserl.report.tables import classify_trajectory, paper_table, read_final_eval, write_report
+from sparserl.report.tables import (
+    classify_trajectory,
+    paper_table,
+    read_final_eval,
+    write_report,
+)
 
 MIB = 1024 ** 2
 

@@ -33,7 +33,7 @@ def half_file(tmp_path):
 @pytest.fixture
 def answers_point_five(monkeypatch):
     """Every completion answers 0.5; math-verify must still judge 0.5 equal to 1/2."""
-    monkeypatch.setattr("sparserl.rewards.grading.extract_math_answer", lambda text: "0.5")
+    monkeypatch.setattr("sparserl.tasks.grading.extract_math_answer", lambda text: "0.5")
 
 
 @pytest.fixture

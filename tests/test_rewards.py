@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sparserl.rewards.grading import boxed_answer, math_verify_reward
 from sparserl.tasks.base import TASKS
+from sparserl.tasks.grading import boxed_answer, math_verify_reward
 from sparserl.tasks.math_jsonl import DataError, MathJsonlTask
 from sparserl.tasks.registry import build_task
 

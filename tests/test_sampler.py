@@ -6,10 +6,12 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from sparserl.rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig
-from sparserl.rollout.kv_cache import KVStats
-from sparserl.rollout.sampler import LocalRollouts, Sampler, concat_rollouts, plan_shards
-from sparserl.rollout.scheduler import request_seed
+from sparserl.rollout.batch import KVStats, RolloutBatch, SamplingConfig
+from sparserl.rollout.dispatch.local import LocalRollouts
+from sparserl.rollout.dispatch.scheduler import request_seed
+from sparserl.rollout.dispatch.shards import concat_rollouts, plan_shards
+from sparserl.rollout.dispatch.spec import SamplerSpec
+from sparserl.rollout.engine.engine import RolloutEngine
 
 
 def test_shards_hold_whole_groups_in_order_and_the_first_ones_take_the_remainder():
@@ -71,10 +73,28 @@ def test_shards_change_no_sampled_token():
     prompts = [[5, 6, 7]] * 2 + [[8, 9]] * 2 + [[10]] * 2
     sampling = SamplingConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
                               prompt_width=3)
-    sampler = LocalRollouts(Sampler(RolloutEngine(model)))
-    whole = sampler.generate(plan_shards(prompts, 2, 1, step_seed=7), sampling, None)
-    split = sampler.generate(plan_shards(prompts, 2, 2, step_seed=7), sampling, None)
+    sampler = LocalRollouts(model)
+    whole = sampler.generate(plan_shards(prompts, 2, 1, step_seed=7), sampling, SamplerSpec())
+    split = sampler.generate(plan_shards(prompts, 2, 2, step_seed=7), sampling, SamplerSpec())
     assert [len(s) for s in split.shards] == [4, 2]
     merged = concat_rollouts(split.shards, tokenizer.pad_token_id)
     assert torch.equal(merged.response_ids, whole.shards[0].response_ids)
     assert torch.allclose(merged.sampler_logprobs, whole.shards[0].sampler_logprobs, atol=1e-5)
+
+
+def test_both_samplers_implement_the_one_contract():
+    """The engine and the speculative sampler are both `Sampler`s: the scheduler and the dispatch call nothing
+    else of them."""
+    import inspect
+
+    from sparserl.rollout.sampler import Sampler
+    from sparserl.rollout.speculative.sampler import SpeculativeSampler
+
+    model, tokenizer = make_tiny_model()
+    sampling = SamplingConfig(max_new_tokens=3, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    for sampler in (RolloutEngine(model), SpeculativeSampler(model, None, draft_tokens=2)):
+        assert isinstance(sampler, Sampler)
+        inspect.signature(sampler.generate).bind([[5, 6]], sampling, seeds=[1], on_step=None, max_rows=None)
+        batch = sampler.generate([[5, 6], [7]], sampling, seeds=[1, 2], max_rows=2)
+        assert batch.response_ids.shape == (2, 3) and sampler.row_bytes(2, 3) > 0
+    assert SpeculativeSampler.refills_rows is False and RolloutEngine(model).refills_rows is True

@@ -7,13 +7,15 @@ import pytest
 import torch
 from conftest import make_tiny_model, replay_logprobs
 
-from sparserl.config.sizes import parse_memory
 from sparserl.errors import ConfigError
-from sparserl.rollout.block_sparse import BlockSparsity
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
-from sparserl.rollout.kv_policies import POLICIES
-from sparserl.rollout.scheduler import rows_in_flight, schedule_rollouts
-from sparserl.rollout.token_draws import draw_tokens, row_uniforms
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.dispatch.scheduler import rows_in_flight, schedule_rollouts
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.engine.token_draws import draw_tokens, row_uniforms
+from sparserl.rollout.sizes import parse_memory
+from sparserl.rollout.sparsity.block_sparse import BlockSparsity
+from sparserl.rollout.sparsity.eviction import KVCompression
+from sparserl.rollout.sparsity.policies import POLICIES
 from sparserl.tasks.pointer_walk import PointerWalkTask
 
 SPARSITIES = {"dense": None, **{name: KVCompression(name, budget=10, window=3, interval=3) for name in POLICIES},
@@ -182,7 +184,7 @@ def test_row_seeded_sampling_draws_from_the_distribution():
 def test_auto_memory_is_a_share_of_what_is_free(monkeypatch):
     import psutil
 
-    from sparserl.rollout.scheduler import AUTO_MEMORY_SHARE, resolve_kv_memory
+    from sparserl.rollout.dispatch.scheduler import AUTO_MEMORY_SHARE, resolve_kv_memory
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10 * 2**30})())
     assert resolve_kv_memory("auto", torch.device("cpu")) == int(AUTO_MEMORY_SHARE * 10 * 2**30)

@@ -11,12 +11,13 @@ from transformers import LlamaForCausalLM
 from sparserl.config.schema import load_config
 from sparserl.errors import ConfigError
 from sparserl.model.loading import builtin_model_config
-from sparserl.rollout import speculative
-from sparserl.rollout.block_sparse import BlockSparsity
-from sparserl.rollout.engine import RolloutEngine, SamplingConfig
-from sparserl.rollout.speculative import SpeculativeSampler
-from sparserl.rollout.speculative_drafts import WindowDraft, draft_from_config
-from sparserl.rollout.speculative_stats import AdaptiveDraftLength
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.block_sparse import BlockSparsity
+from sparserl.rollout.speculative import sampler as speculative
+from sparserl.rollout.speculative.drafts import WindowDraft, draft_from_config
+from sparserl.rollout.speculative.sampler import SpeculativeSampler
+from sparserl.rollout.speculative.stats import AdaptiveDraftLength
 
 VOCAB = 11
 PROMPT_LEN = 24
@@ -80,7 +81,7 @@ def test_dense_draft_is_the_dense_rollout_token_for_token(model):
         dense = RolloutEngine(model).generate(prompts, sampling, seeds=seeds)
         assert dense.ended.any() and not dense.ended.all()  # EOS ends some rows, others run to the limit
         for gamma in (1, 4):
-            batch = SpeculativeSampler(model, None, draft_tokens=gamma).generate(prompts, sampling, seeds)
+            batch = SpeculativeSampler(model, None, draft_tokens=gamma).generate(prompts, sampling, seeds=seeds)
             assert torch.equal(batch.response_ids, dense.response_ids)
             assert torch.equal(batch.response_lengths, dense.response_lengths)
             assert torch.equal(batch.ended, dense.ended)
@@ -92,7 +93,7 @@ def test_dense_draft_is_the_dense_rollout_token_for_token(model):
 def test_recorded_logprobs_are_the_dense_models_teacher_forced(model):
     sampling = SamplingConfig(max_new_tokens=40, temperature=0.7, eos_token_id=2)
     batch = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens=3).generate(_prompts(12), sampling,
-                                                                            list(range(12)))
+                                                                            seeds=list(range(12)))
     assert batch.speculation.accepted < batch.speculation.compared  # the draft was rejected somewhere
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids).logits[:, PROMPT_LEN - 1:-1] / 0.7
@@ -106,7 +107,7 @@ def test_greedy_with_a_sparse_draft_is_dense_greedy(model):
     prompts = _prompts(6)
     sampling = SamplingConfig(max_new_tokens=40, temperature=0.0, eos_token_id=None)
     dense = RolloutEngine(model).generate(prompts, sampling, seeds=list(range(6)))
-    batch = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens=4).generate(prompts, sampling, list(range(6)))
+    batch = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens=4).generate(prompts, sampling, seeds=list(range(6)))
     assert batch.speculation.accepted < batch.speculation.compared
     assert torch.equal(batch.response_ids, dense.response_ids)
 
@@ -121,7 +122,7 @@ def test_sampled_tokens_follow_the_dense_distribution(model):
     prompt = _prompts(1)[0]
     sampling = SamplingConfig(max_new_tokens=4, temperature=1.0)
     batch = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens=2).generate([prompt] * rows, sampling,
-                                                                            list(range(rows)))
+                                                                            seeds=list(range(rows)))
     stats = batch.speculation
     assert 0.1 < 1 - stats.acceptance_rate < 0.9  # rejections and accepted runs both common
     # Exact dense probabilities: p(x1), p(x2 | x1) for every x1, p(x3 | x1, x2) for every (x1, x2).
@@ -210,7 +211,7 @@ def test_rows_batch_together_whatever_they_accept(model, monkeypatch):
                         lambda *args: (lambda out: accepted_per_round.append(out[1]) or out)(accept(*args)))
     prompts = [p[: 8 + 2 * i] for i, p in enumerate(_prompts(6))]
     sampling = SamplingConfig(max_new_tokens=37, temperature=1.0, eos_token_id=3)
-    batch = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens=4).generate(prompts, sampling, [7, 8, 9, 10, 11, 12])
+    batch = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens=4).generate(prompts, sampling, seeds=[7, 8, 9, 10, 11, 12])
     assert compactions and any(len(set(counts.tolist())) > 1 for counts in accepted_per_round)
     mask = batch.attention_mask
     with torch.no_grad():
@@ -242,14 +243,14 @@ def test_adaptive_draft_length_follows_the_acceptance_rate():
 def test_adaptive_sampler_and_metrics(model):
     sampling = SamplingConfig(max_new_tokens=30, temperature=1.0)
     sampler = SpeculativeSampler(model, SPARSE_DRAFT, draft_tokens="adaptive")
-    batch = sampler.generate(_prompts(4), sampling, [1, 2, 3, 4])
-    metrics = sampler.take_metrics()
+    batch = sampler.generate(_prompts(4), sampling, seeds=[1, 2, 3, 4])
+    metrics = sampler.take_stats().metrics(bin_size=16)
     assert 1 <= metrics["spec_gamma_mean"] <= 8
     assert 0 < metrics["spec_acceptance_rate"] < 1 and metrics["spec_tokens_per_verification"] > 1
     # Drafting and verifying are parts of the rollout, each timed once.
     assert 0 < metrics["spec_draft_s"] + metrics["spec_verify_s"] <= batch.rollout_seconds
     assert any(k.startswith("spec_acceptance_len_") for k in metrics) and "spec_alpha_mean" in metrics
-    assert sampler.take_metrics() == {}
+    assert sampler.take_stats().metrics(bin_size=16) == {}
 
 
 def test_row_bytes_hold_the_dense_cache_and_its_slack(model):

@@ -24,7 +24,9 @@ from sparserl.learner.corrections import compute_corrections  # noqa: E402
 from sparserl.model.forward import batched_logprobs  # noqa: E402
 from sparserl.model.loading import load_policy, sampling_generator  # noqa: E402
 from sparserl.rollout.acceptance import bin_tails  # noqa: E402
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig  # noqa: E402
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression  # noqa: E402
 from sparserl.tasks.registry import task_from_config  # noqa: E402
 
 PROMPTS, SAMPLES, RESPONSE, BIN = 8, 2, 256, 32

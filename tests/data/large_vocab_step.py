@@ -13,7 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sparserl.learner.alpha import rollout_alpha_metrics
 from sparserl.learner.grpo import ppo_loss, token_coefficients
 from sparserl.model import forward
-from sparserl.rollout.engine import KVCompression, RolloutEngine, SamplingConfig
+from sparserl.rollout.batch import SamplingConfig
+from sparserl.rollout.engine.engine import RolloutEngine
+from sparserl.rollout.sparsity.eviction import KVCompression
 
 torch.set_num_threads(1)
 if sys.argv[1] == "unchunked":

@@ -36,9 +36,17 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
 def _named_choices(name: str) -> str | None:
     """The valid values of the string fields that name a registered thing."""
     if name == "kv_policy":
-        from ..rollout.kv_policies import POLICIES
+        from ..rollout.sparsity.policies import POLICIES
 
         return "{" + ",".join(sorted(POLICIES)) + "}"
+    if name == "speculative_draft":
+        from ..rollout.speculative.drafts import DRAFTS
+
+        return "{" + ",".join(sorted(DRAFTS)) + "}"
+    if name == "rollout_backend":
+        from ..rollout.dispatch.backends import BACKENDS
+
+        return "{auto," + ",".join(sorted(BACKENDS)) + "}"
     if name == "task":
         from ..tasks.registry import task_names
 

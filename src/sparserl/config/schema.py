@@ -19,11 +19,11 @@ from typing import Any, Literal, Union
 import yaml
 
 from ..errors import ConfigError
-from ..rollout.kv_policies import build_policy, policy_options
-from ..tasks.registry import task_class
+from ..rollout.sizes import parse_memory
+from ..rollout.sparsity.policies import build_policy, policy_options
+from ..tasks.registry import TASK_OPTIONS, task_class
 from .corrections import CorrectionConfig
 from .presets import PRESETS, PresetError, load_preset
-from .sizes import parse_memory
 
 MODES: tuple[str, ...] = tuple(PRESETS)
 
@@ -39,15 +39,16 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     task: str = "pointer_walk"  # a registered task (tasks/), or gym:<dataset>
-    difficulty: int = 26  # pointer_walk: the longest cycle (3..26); each prompt draws its own length and hop count
-    min_difficulty: int = 0  # pointer_walk: the shortest cycle; 0 = difficulty - 10 (at least 3)
-    data_path: str | None = None  # math_jsonl: the JSONL file, one JSON object per line
-    prompt_key: str = "prompt"  # math_jsonl: the key holding the prompt
-    label_key: str = "label"  # math_jsonl: the key holding the answer
-    template: str = "{prompt}"  # math_jsonl: how the prompt is put to the model ({prompt} is replaced)
-    gym_dataset: str = "chain_sum"  # reasoning_gym: the dataset name
     chat_template: bool = False  # put each prompt to the model as one user turn of its tokenizer's chat template (instruction-tuned models)
     max_new_tokens: int = 0  # response bound in tokens; 0 = the task's own
+
+
+# Each task's own options (pointer_walk's difficulty, math_jsonl's data_path, ...) are declared where the task
+# is registered (`tasks/`); TaskConfig gains one field per option, with the task's default and help.
+TaskConfig = dataclasses.make_dataclass(
+    "TaskConfig", [(o.key, o.annotation, field(default=o.default, metadata={"help": o.help}))
+                   for o in TASK_OPTIONS.values()], bases=(TaskConfig,))
+TaskConfig.__module__ = __name__
 
 
 @dataclass
@@ -73,9 +74,10 @@ class RolloutConfig:
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
     speculative: bool = False  # lossless rollouts: a sparse draft (speculative_draft, kv_budget) proposes draft_tokens tokens, the dense model verifies them; exact dense samples, so no mismatch to correct (pays only at long contexts, docs/benchmarks.md)
-    speculative_draft: Literal["block", "window"] = "block"  # speculative: the draft reads block-sparse pages (kv_budget, block_*) or a window of kv_budget slots (the first min(64, kv_budget / 4) and the most recent)
+    speculative_draft: str = "block"  # speculative (rollout/speculative/drafts/): the draft reads block-sparse pages (kv_budget, block_*) or a window of kv_budget slots (the first min(64, kv_budget / 4) and the most recent)
     draft_tokens: int | Literal["adaptive"] = 4  # speculative: tokens drafted per verification, or adaptive (1-8, from the running acceptance rate and step costs)
     rollout_workers: int = 0  # Ray actors that sample rollouts (0: in this process); needs pip install -e ".[ray]"
+    rollout_backend: str = "auto"  # where a step's shards are sampled (rollout/dispatch/): auto (ray with --rollout-workers, else local), local or ray
     rollout_shards: int = 0  # fixed sets of prompt groups each sampled as one batch with its own seed; 0 = max(1, rollout_workers). Same shards, same metrics, whatever the workers
     ray_address: str | None = None  # join this Ray cluster (e.g. auto or ray://host:10001); none: start a local one
     rollout_timeout: float = 600.0  # seconds a worker may take for one shard before it is replaced and the shard retried
@@ -86,7 +88,7 @@ class RolloutConfig:
 
 
 # The KV policies' options (kv_lambda, kv_sinks, ...) are fields of the policies themselves
-# (`rollout/kv_policies.py`); RolloutConfig gains one field per option, with the policy's default and help.
+# (`rollout/sparsity/policies/`); RolloutConfig gains one field per option, with the policy's default and help.
 RolloutConfig = dataclasses.make_dataclass(
     "RolloutConfig", [(o.key, o.annotation, field(default=o.default, metadata={"help": o.help}))
                       for o in policy_options().values()], bases=(RolloutConfig,))
@@ -344,9 +346,6 @@ def validate(config: ExperimentConfig) -> None:
         (config.train.clip_eps_high > 0, "clip_eps_high must be > 0"),
         (config.train.kl_coef >= 0, "kl_coef must be >= 0"),
         (config.output.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
-        (3 <= config.task.difficulty <= 26, "difficulty must be in 3..26 (letters in the longest cycle)"),
-        (config.task.min_difficulty == 0 or 3 <= config.task.min_difficulty <= config.task.difficulty,
-         "min_difficulty must be 0 (difficulty - 10) or in 3..difficulty"),
     ]
     checks += [
         (config.train.max_rejected_steps >= 1, "max_rejected_steps must be >= 1"),
@@ -368,7 +367,7 @@ def validate(config: ExperimentConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    task_class(config.task.task)
+    _validate_task_options(config.task)
     if config.rollout.rollout_kv_memory is not None:
         parse_memory(config.rollout.rollout_kv_memory)
     _validate_kv_policy(config.rollout)
@@ -384,7 +383,7 @@ def validate(config: ExperimentConfig) -> None:
     if config.rollout.recalibrate_every and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--recalibrate-every needs sparse rollouts; mode {config.train.mode} samples densely")
     if config.rollout.kv_schedule and config.rollout.kv_schedule != "adaptive":
-        from ..rollout.schedule import BinnedBudget
+        from ..rollout.sparsity.budgets import BinnedBudget
 
         try:
             BinnedBudget.from_yaml(config.rollout.kv_schedule)
@@ -431,13 +430,17 @@ def _validate_block(rollout: RolloutConfig) -> None:
 
 
 def _validate_speculative(config: ExperimentConfig) -> None:
+    from ..rollout.speculative.drafts import DRAFTS
+
     rollout = config.rollout
+    if rollout.speculative_draft not in DRAFTS:
+        raise ConfigError(f"speculative_draft {rollout.speculative_draft!r} is unknown; choose one of "
+                          f"{', '.join(sorted(DRAFTS))}")
     if rollout.draft_tokens != "adaptive" and not 1 <= rollout.draft_tokens <= 64:
         raise ConfigError(f"draft_tokens must be adaptive or 1..64, got {rollout.draft_tokens}")
     if not rollout.speculative:
         return
-    conflicts = [(rollout.rollout_workers > 0, "--rollout-workers (Ray workers build plain engines)"),
-                 (config.train.distill_sparse, "--distill-sparse (speculative samples are dense: nothing to distill)"),
+    conflicts = [(config.train.distill_sparse, "--distill-sparse (speculative samples are dense: nothing to distill)"),
                  (bool(rollout.kv_schedule) or rollout.recalibrate_every > 0, "a budget schedule or recalibration")]
     for conflict, what in conflicts:
         if conflict:
@@ -449,6 +452,13 @@ def _validate_speculative(config: ExperimentConfig) -> None:
 
 
 def _validate_workers(rollout: RolloutConfig) -> None:
+    from ..rollout.dispatch.backends import BACKENDS
+
+    if rollout.rollout_backend != "auto" and rollout.rollout_backend not in BACKENDS:
+        raise ConfigError(f"rollout_backend {rollout.rollout_backend!r} is unknown; choose one of auto, "
+                          f"{', '.join(sorted(BACKENDS))}")
+    if rollout.rollout_backend == "ray" and not rollout.rollout_workers:
+        raise ConfigError("rollout_backend ray needs --rollout-workers N (N >= 1)")
     checks = [
         (rollout.rollout_workers >= 0, "rollout_workers must be >= 0 (0: sample in this process)"),
         (rollout.rollout_shards >= 0, "rollout_shards must be >= 0 (0: one per worker)"),
@@ -464,10 +474,26 @@ def _validate_workers(rollout: RolloutConfig) -> None:
             raise ConfigError(message)
 
 
+def _validate_task_options(task: TaskConfig) -> None:
+    """An unknown task, an option set away from its default that the task does not take, or an option value
+    its task refuses, is an error (said before any model or data loads)."""
+    name = task_class(task.task).registered_name
+    for key, option in TASK_OPTIONS.items():
+        value = getattr(task, key)
+        if name not in option.tasks:
+            if value != option.default:
+                raise ConfigError(f"--{key.replace('_', '-')} does not apply to task {task.task}; it is an option of "
+                                  f"{', '.join(option.tasks)}")
+            continue
+        problem = option.check(value, task) if option.check else None
+        if problem:
+            raise ConfigError(problem)
+
+
 def _validate_kv_policy(rollout: RolloutConfig) -> None:
     """An unknown policy, or an option set away from its default that the policy does not take, is an error;
     the policy itself checks its options' values (built here once, so a bad one fails before any model loads)."""
-    from ..rollout.kv_policies import POLICIES
+    from ..rollout.sparsity.policies import POLICIES
 
     if rollout.kv_policy not in POLICIES:
         build_policy(rollout.kv_policy, {}, rollout.kv_window)  # says what the valid names are

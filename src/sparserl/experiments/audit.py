@@ -22,10 +22,11 @@ import torch
 
 from ..errors import ConfigError
 from ..model.forward import positions_from_mask
-from ..rollout.engine import RolloutEngine, SamplingConfig, sparsity_from_config
-from ..rollout.kv_cache import KVStats
-from ..rollout.replay import replay_masks
-from ..rollout.scheduler import schedule_rollouts
+from ..rollout.batch import KVStats, SamplingConfig
+from ..rollout.dispatch.scheduler import schedule_rollouts
+from ..rollout.engine.engine import RolloutEngine
+from ..rollout.sparsity.replay import replay_masks
+from ..rollout.sparsity.settings import sparsity_from_config
 from ..tasks.pointer_walk import first_error_hop, needed_source
 from ..train.evaluation import decode_responses
 from .eval import held_out

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..rollout.schedule import BinnedBudget
+from ..rollout.sparsity.budgets import BinnedBudget
 from ..train.calibration import calibrate_schedule
 from .eval import held_out
 

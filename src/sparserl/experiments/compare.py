@@ -25,7 +25,12 @@ from ..train.checkpoint import latest_checkpoint
 from ..train.evaluation import evaluate_policy
 from ..train.layout import COMPARE_FILE, FINAL_EVAL_FILE, METRICS_FILE
 from ..train.metrics import read_metrics
-from ..train.run_dir import RUN_FREE_FIELDS, config_differences, holds_a_run, make_output_dir
+from ..train.run_dir import (
+    RUN_FREE_FIELDS,
+    config_differences,
+    holds_a_run,
+    make_output_dir,
+)
 from ..train.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..rollout.engine import sparsity_from_config
-from ..rollout.scheduler import RowLimits
+from ..rollout.dispatch.scheduler import RowLimits
+from ..rollout.sparsity.settings import sparsity_from_config
 from ..tasks.base import Example, Task
 from ..train.evaluation import evaluate_policy, task_rewards
 from ..train.layout import CHECKPOINT_DIR, CONFIG_FILE, POLICY_DIR

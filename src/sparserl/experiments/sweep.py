@@ -28,8 +28,9 @@ from tqdm import tqdm
 from ..config.corrections import CorrectionConfig
 from ..learner.corrections import compute_corrections
 from ..model.forward import batched_logprobs
-from ..rollout.engine import KVCompression, sparsity_from_config
-from ..rollout.scheduler import RowLimits
+from ..rollout.dispatch.scheduler import RowLimits
+from ..rollout.sparsity.eviction import KVCompression
+from ..rollout.sparsity.settings import sparsity_from_config
 from ..train.evaluation import accuracy, complete, evaluate_policy, task_rewards
 from .eval import held_out
 

@@ -23,8 +23,14 @@ def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int =
     `sampler_context()` (DistillSparse's adapter), one position chunk at a time: α is exact, and
     peak memory is two chunks of logits, never `[N, T, V]`.
     """
-    from ..model.forward import head_logits, logit_scale, map_head_chunks, micro_batches, response_hidden
-    from ..rollout.replay import replay_attention
+    from ..model.forward import (
+        head_logits,
+        logit_scale,
+        map_head_chunks,
+        micro_batches,
+        response_hidden,
+    )
+    from ..rollout.sparsity.replay import replay_attention
 
     if batch.sampler_distribution is None and not batch.replayable:
         raise ValueError("α needs the sampler's distributions or what replays them: generate the batch with "

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.corrections import CorrectionConfig
+from .ratios import LOG_RATIO_CLAMP, k3
 
-_LOG_CLAMP = 20.0
 _QUANTILES = (0.01, 0.05, 0.50, 0.95, 0.99)
 SEQUENCE_FILTERS = ("geo", "k3", "max_log")
 
@@ -125,7 +125,7 @@ def token_ratios(logp_old: torch.Tensor, logp_sampler: torch.Tensor, response_ma
     old = torch.where(resp, logp_old.detach().double(), 0.0)
     smp = torch.where(resp, logp_sampler.detach().double(), 0.0)
     log_ratio = old - smp
-    clamped = log_ratio.clamp(-_LOG_CLAMP, _LOG_CLAMP)
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     n_tok = resp.double().sum(dim=1)
     return TokenRatios(old=old, sampler=smp, resp=resp, log_ratio=log_ratio, clamped=clamped, xi=clamped.exp(),
                        n_tok=n_tok, has_resp=n_tok > 0)
@@ -172,7 +172,7 @@ def importance_weights(ratios: TokenRatios, config: CorrectionConfig) -> tuple[t
     if config.is_level == "token":
         ratio = xi
     elif config.is_level == "sequence":
-        ratio = clamped.sum(dim=1).clamp(-_LOG_CLAMP, _LOG_CLAMP).exp()[:, None].expand_as(xi)
+        ratio = clamped.sum(dim=1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()[:, None].expand_as(xi)
     else:
         ratio = (clamped.sum(dim=1) / ratios.n_tok.clamp(min=1)).exp()[:, None].expand_as(xi)
 
@@ -206,7 +206,7 @@ def _sequence_statistics(log_ratio, clamped, xi, n_tok) -> dict[str, torch.Tenso
     """
     per_token = n_tok.clamp(min=1)
     return {"geo": (clamped.sum(dim=1) / per_token).exp(),
-            "k3": (xi - 1.0 - clamped).sum(dim=1) / per_token,
+            "k3": k3(clamped).sum(dim=1) / per_token,
             "max_log": log_ratio.abs().amax(dim=1) if log_ratio.shape[1] else n_tok.clone()}
 
 
@@ -255,7 +255,7 @@ def _metrics(*, logp_old, logp_sampler, clamped, xi, resp, seq_keep, has_resp, i
         m["logppl_old"] = -logp_old[resp].mean().item()
         m["kl_sampler_old"] = (logp_sampler - logp_old)[resp].mean().item()
         # k3 = ρ − 1 − log ρ with ρ = ξ: non-negative, lower variance than the plain log-ratio mean.
-        m["kl_k3_sampler_old"] = (xi - 1.0 - clamped)[resp].mean().item()
+        m["kl_k3_sampler_old"] = k3(clamped)[resp].mean().item()
     else:
         m.update({k: 1.0 for k in ("xi_mean", "xi_min", "xi_max")})
         m.update({f"xi_q{round(q * 100):02d}": 1.0 for q in _QUANTILES})

@@ -20,10 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.forward import head_logits, logit_scale, map_head_chunks, micro_batches, response_hidden
+from ..model.forward import (
+    head_logits,
+    logit_scale,
+    map_head_chunks,
+    micro_batches,
+    response_hidden,
+)
 from ..rollout.adapter import AdapterConfig, SamplerAdapter, adapter_config
-from ..rollout.engine import RolloutBatch
-from ..rollout.replay import replay_attention
+from ..rollout.batch import RolloutBatch
+from ..rollout.sparsity.replay import replay_attention
 from .grpo import ppo_loss, token_coefficients
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from .ratios import LOG_RATIO_CLAMP, k3
 
 ADVANTAGE_EPS = 1e-6
-LOG_RATIO_CLAMP = 20.0
-K3_CLAMP = 10.0
+K3_CLAMP = 10.0  # the KL term's per-token bound (the reference's)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, included: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +83,7 @@ def ppo_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
     if kl_coef > 0:
         if logp_ref is None:
             raise ValueError("kl_coef > 0 needs reference log-probs")
-        kl_value = (coefficients * k3(logp_new, logp_ref)).sum()
+        kl_value = (coefficients * kl_k3(logp_new, logp_ref)).sum()
         loss = loss + kl_coef * kl_value
     entropy_value = torch.zeros((), dtype=pg_loss.dtype)
     if entropy is not None:
@@ -97,7 +97,6 @@ def ppo_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.T
                      float(clip_frac), float(ratio_mean))
 
 
-def k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """Low-variance estimate of KL(π_θ‖π_ref) per token: e^d − 1 − d, d = log π_ref − log π_θ."""
-    d = logp_ref - logp
-    return (d.exp() - 1 - d).clamp(-K3_CLAMP, K3_CLAMP)
+def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Low-variance estimate of KL(π_θ‖π_ref) per token: k3 of d = log π_ref − log π_θ, clamped to ±K3_CLAMP."""
+    return k3(logp_ref - logp).clamp(-K3_CLAMP, K3_CLAMP)

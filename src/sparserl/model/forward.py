@@ -29,12 +29,17 @@ def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return outputs.last_hidden_state[:, prompt_width - 1:-1]
 
 
+def text_config(model):
+    """The language model's own config: a multimodal model's text part, else the model's config itself."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """Float32 logits of the model's LM head, with its final soft-capping (Gemma-2/3), if it has one, taken as
     the model's forward takes it (in the head's dtype, / cap, tanh, · cap): the logits the sampler drew from."""
     logits = model.get_output_embeddings()(hidden)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
     return (torch.tanh(logits / cap) * cap if cap else logits).float()
 
 

@@ -29,7 +29,13 @@ import yaml
 
 from ..config.presets import mode_with_role
 from ..errors import UserError
-from ..train.layout import COMPARE_FILE, CONFIG_FILE, FINAL_EVAL_FILE, METRICS_FILE, REPORT_FILE
+from ..train.layout import (
+    COMPARE_FILE,
+    CONFIG_FILE,
+    FINAL_EVAL_FILE,
+    METRICS_FILE,
+    REPORT_FILE,
+)
 from ..train.metrics import read_metrics
 from .common import DASH, DISTILL_SUFFIX, cell, markdown, series, setting
 

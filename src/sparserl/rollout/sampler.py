@@ -1,181 +1,54 @@
-"""A step's rollouts: the sampler, fixed shards of prompt groups, and in-process sampling.
+"""The one contract every rollout sampler implements and every caller is typed with.
 
-The `Sampler` is the rollout engine (dense, or with its sparsity and budget schedule) plus
-DistillSparse's adapter, switched on while it samples; it runs a shard's rows through the rollout
-scheduler (`scheduler.py`). It only samples (the adapter's training and optimizer are the learner's
-`DistillTrainer`), which makes it the unit a Ray worker wraps (`sparserl.rollout.ray_backend`).
-
-A step's prompt groups are split into `rollout_shards` fixed shards of whole groups (`plan_shards`).
-Every row samples from its own seed, derived from (step seed, row), and every shard pads its prompts
-to the step's longest, so neither the shards, nor whether they run here one after the other
-(`LocalRollouts`) or on N Ray workers, nor the rows in flight change a sampled token.
+Two samplers implement it: `engine.RolloutEngine` (dense, KV eviction or block-sparse attention) and
+`speculative.SpeculativeSampler` (exact dense samples, drafted sparsely). The rows-in-flight scheduler
+(`dispatch/scheduler.py`) drives either through it, and a step's sampler is built from a
+`dispatch.spec.SamplerSpec` wherever the step samples, in this process or on a Ray worker; nobody changes a
+sampler's settings after it is built.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..errors import ConfigError
-from ..model.clock import now
-from .adapter import sampler_context
-from .engine import RolloutBatch, RolloutEngine, SamplingConfig
-from .kv_cache import KVStats
-from .scheduler import request_seed, schedule_rollouts
+from .batch import RolloutBatch, SamplingConfig
 
 
-@dataclass(frozen=True)
-class Shard:
-    """Whole prompt groups sampled as one batch: `prompts` holds each prompt G times, group by group;
-    `seeds` one sampling seed per row."""
+@runtime_checkable
+class SamplerStats(Protocol):
+    """What a sampler counted while it sampled (the speculative sampler's acceptance, say), to be folded over the
+    shards of a step and turned into metrics."""
 
-    index: int
-    prompts: list[list[int]]
-    seeds: list[int]
+    def add(self, other: SamplerStats) -> None: ...
 
-
-def plan_shards(prompts: list[list[int]], group_size: int, shards: int, step_seed: int) -> list[Shard]:
-    """Split the step's rows (groups of `group_size` consecutive rows) into `shards` contiguous shards
-    of whole groups, the first ones one group larger when they do not divide evenly."""
-    groups = len(prompts) // group_size
-    if groups * group_size != len(prompts) or not 1 <= shards <= groups:
-        raise ConfigError(f"cannot split {len(prompts)} rows in groups of {group_size} into {shards} shards")
-    plan, start = [], 0
-    for index in range(shards):
-        count = groups // shards + (index < groups % shards)
-        rows = range(start * group_size, (start + count) * group_size)
-        plan.append(Shard(index, prompts[rows.start:rows.stop], [request_seed(step_seed, row) for row in rows]))
-        start += count
-    return plan
+    def metrics(self, bin_size: int) -> dict[str, float]: ...
 
 
-@dataclass
-class ShardResult:
-    """One sampled shard; `version`: the weights it was sampled with."""
+@runtime_checkable
+class Sampler(Protocol):
+    """Samples one response per prompt.
 
-    index: int
-    batch: RolloutBatch
-    version: int
-    compute_seconds: float
-    weight_load_seconds: float = 0.0
+    `refills_rows`: whether `generate` admits waiting prompts into rows that ended (continuous batching); a
+    sampler that keeps every row to the end is given its prompts `max_rows` at a time (waves) instead.
+    """
 
+    refills_rows: bool
+    model: torch.nn.Module  # the policy it samples from
 
-@dataclass
-class StepRollouts:
-    """All shards of a step, in shard order, and what sampling them cost."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int],
+                 on_step: Callable[[int], None] | None = None, max_rows: int | None = None) -> RolloutBatch:
+        """Row i from `seeds[i]` (its tokens a function of its seed, its prompt and the weights), at most
+        `max_rows` rows decoding at once (None: all); `on_step(k)` after each step that advanced the longest row
+        by k tokens."""
+        ...
 
-    shards: list[RolloutBatch]
-    wall_seconds: float  # from the request to the last shard back
-    retries: int = 0  # shards sampled again because their worker died or hung
-    timeouts: int = 0  # of which hung past rollout_timeout
-    timings: dict[str, float] = field(default_factory=dict)  # weight push and transfer (Ray only)
+    def row_bytes(self, width: int, steps: int) -> int:
+        """The KV bytes one row can reach, for prompts of width `width` and `steps` new tokens."""
+        ...
 
-
-class Sampler:
-    """Samples shards with `engine`, DistillSparse's adapter on while it does (when there is one)."""
-
-    def __init__(self, engine: RolloutEngine, adapter=None):
-        self.engine = engine
-        self.adapter = adapter
-
-    def generate(self, shard: Shard, sampling: SamplingConfig, version: int) -> ShardResult:
-        device = next(self.engine.model.parameters()).device
-        started = now(device)
-        self.engine.model.eval()
-        with sampler_context(self.adapter):
-            batch = schedule_rollouts(self.engine, shard.prompts, sampling, shard.seeds)
-        return ShardResult(shard.index, batch, version, now(device) - started)
-
-
-class LocalRollouts:
-    """Shards sampled in this process, one after the other, with the trainer's own model."""
-
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self.version = 0
-
-    def sync_weights(self, model, version: int) -> None:
-        self.version = version  # the sampler is the trainer's model: nothing to copy
-
-    def generate(self, shards: list[Shard], sampling: SamplingConfig, compression) -> StepRollouts:
-        started = time.perf_counter()
-        self.sampler.engine.compression = compression
-        results = [self.sampler.generate(shard, sampling, self.version) for shard in shards]
-        return StepRollouts([r.batch for r in results], time.perf_counter() - started)
-
-    def close(self) -> None:
-        pass
-
-
-def make_rollouts(config, engine: RolloutEngine, adapter, device: torch.device):
-    """In-process rollouts, or `config.rollout.rollout_workers` Ray workers sampling with `engine`'s settings."""
-    if not config.rollout.rollout_workers:
-        return LocalRollouts(Sampler(engine, adapter))
-    from .adapter import adapter_config
-    from .ray_backend import RayRollouts
-
-    return RayRollouts(config.rollout, engine.model.config, config.model.dtype, device, torch.get_num_threads(),
-                       adapter_config(config.train) if adapter is not None else None, engine.compression,
-                       engine.record_evictions, engine.record_distributions)
-
-
-def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
-    """One batch of the shards' rows for the learner: prompts left-padded and responses right-padded
-    to the widest shard. The shards' eviction records and sampler distributions refer to their own
-    column layouts, so the merged batch carries none; the replay and α read the shards themselves.
-    One shard is returned as it is."""
-    if len(batches) == 1:
-        return batches[0]
-    width = max(b.prompt_ids.shape[1] for b in batches)
-    span = max(b.response_ids.shape[1] for b in batches)
-
-    def pad(tensors, size, value, left=False):
-        padded = []
-        for t in tensors:
-            extra = size - t.shape[1]
-            fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
-            padded.append(torch.cat([fill, t] if left else [t, fill], dim=1))
-        return torch.cat(padded)
-
-    return RolloutBatch(
-        prompt_ids=pad([b.prompt_ids for b in batches], width, pad_token_id, left=True),
-        prompt_mask=pad([b.prompt_mask for b in batches], width, False, left=True),
-        response_ids=pad([b.response_ids for b in batches], span, pad_token_id),
-        response_mask=pad([b.response_mask for b in batches], span, 0.0),
-        sampler_logprobs=pad([b.sampler_logprobs for b in batches], span, 0.0),
-        prompt_lengths=torch.cat([b.prompt_lengths for b in batches]),
-        response_lengths=torch.cat([b.response_lengths for b in batches]),
-        ended=torch.cat([b.ended for b in batches]),
-        rollout_seconds=sum(b.rollout_seconds for b in batches),
-        kv=KVStats.merged([b.kv for b in batches], [len(b) for b in batches]),
-    )
-
-
-def move_to(value, device: torch.device):
-    """`value` (a tensor, or a dataclass, list, tuple or dict holding tensors) with every tensor on `device`."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: move_to(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
-    if isinstance(value, (list, tuple)):
-        return type(value)(move_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: move_to(v, device) for k, v in value.items()}
-    return value
-
-
-def rollout_metrics(batch: RolloutBatch, rollouts: StepRollouts) -> dict[str, float]:
-    """What a step's rollouts were and cost. batch: the merged shards."""
-    lengths = batch.response_lengths.float()
-    return {
-        "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
-        "truncated_frac": float((~batch.ended).float().mean()),
-        **batch.kv.summary(batch.rollout_seconds),
-        "rollout_s": rollouts.wall_seconds,
-        "tokens_per_s": float(batch.response_mask.sum()) / max(rollouts.wall_seconds, 1e-9),
-        "rollout_retries": rollouts.retries, "rollout_timeouts": rollouts.timeouts, **rollouts.timings,
-    }
+    def take_stats(self) -> SamplerStats | None:
+        """What was counted since the last call (None: nothing to count), then reset."""
+        ...

@@ -7,6 +7,7 @@ A task yields `Example`s and scores completions with a TRL-style reward function
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -49,16 +50,40 @@ def is_correct(task_score: float) -> bool:
     return task_score >= SOLVED
 
 
+@dataclass(frozen=True)
+class TaskOption:
+    """A setting a task takes from the config: key `key` in the task section and flag `--key`, of type
+    `annotation`, with its default and one-line help. `check(value, task_config)` returns what is wrong with a
+    value, or None."""
+
+    key: str
+    annotation: Any
+    default: Any
+    help: str
+    check: Callable[[Any, Any], str | None] | None = None
+    tasks: tuple[str, ...] = ()  # filled in by the registry: the tasks that take it
+
+
 # name -> the task class; each class has `from_config(task_config)` for the settings of `TaskConfig`.
 TASKS: dict[str, type] = {}
+# key -> the option, over every registered task; tasks that share a key share its default and type.
+TASK_OPTIONS: dict[str, TaskOption] = {}
 
 
-def register_task(name: str) -> Callable[[type], type]:
-    """Class decorator: the task `name` in configs and on the command line (`--task NAME`)."""
+def register_task(name: str, *options: TaskOption) -> Callable[[type], type]:
+    """Class decorator: the task `name` in configs and on the command line (`--task NAME`), with the config
+    options it takes (the config derives its task fields and flags from them)."""
     def register(cls: type) -> type:
         if not callable(getattr(cls, "from_config", None)):
             raise TypeError(f"task {name}: {cls.__name__} needs a from_config(task_config) classmethod")
         TASKS[name] = cls
+        cls.registered_name = name
+        for option in options:
+            known = TASK_OPTIONS.get(option.key)
+            if known and (known.annotation, known.default) != (option.annotation, option.default):
+                raise AssertionError(f"tasks {known.tasks} and {name} give option {option.key} different types or "
+                                     "defaults; one key is one setting")
+            TASK_OPTIONS[option.key] = dataclasses.replace(option, tasks=(known.tasks if known else ()) + (name,))
         return cls
     return register
 

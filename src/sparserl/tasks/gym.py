@@ -22,8 +22,8 @@ import random
 from typing import Any
 
 from ..errors import ConfigError
-from ..rewards.grading import completion_text
-from .base import Example, register_task
+from .base import Example, TaskOption, register_task
+from .grading import completion_text
 from .math_jsonl import SPLITS, seeded_sample
 
 GYM_PREFIX = "gym:"  # `gym:<dataset>` names a reasoning-gym dataset directly
@@ -39,7 +39,7 @@ def dataset_names() -> list[str]:
     return sorted(reasoning_gym.factory.DATASETS)
 
 
-@register_task("reasoning_gym")
+@register_task("reasoning_gym", TaskOption("gym_dataset", str, "chain_sum", "reasoning_gym: the dataset name"))
 class ReasoningGymTask:
     """`dataset` is a reasoning-gym name (e.g. chain_sum); `config` its config fields."""
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, DataError
-from ..rewards.grading import math_verify_reward
-from .base import Example, register_task
+from .base import Example, TaskOption, register_task
+from .grading import math_verify_reward
 
 T = TypeVar("T")
 
@@ -46,7 +46,12 @@ def seeded_sample(pool: Sequence[T], count: int, rng: random.Random) -> list[T]:
     return out
 
 
-@register_task("math_jsonl")
+@register_task(
+    "math_jsonl",
+    TaskOption("data_path", str | None, None, "math_jsonl: the JSONL file, one JSON object per line"),
+    TaskOption("prompt_key", str, "prompt", "math_jsonl: the key holding the prompt"),
+    TaskOption("label_key", str, "label", "math_jsonl: the key holding the answer"),
+    TaskOption("template", str, "{prompt}", "math_jsonl: how the prompt is put to the model ({prompt} is replaced)"))
 class MathJsonlTask:
     """Math problems from a JSONL file; the file is read and checked when the task is built."""
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Example, register_task
+from .base import Example, TaskOption, register_task
 
 # Digits then punctuation, minus the four characters with a role in the format.
 COUNTERS = string.digits + "".join(c for c in string.punctuation if c not in "^|#$")
@@ -48,7 +48,14 @@ _ANSWER = re.compile(r"#([A-Za-z])\$?\s*$")
 
 
 @dataclass(frozen=True)
-@register_task("pointer_walk")
+@register_task(
+    "pointer_walk",
+    TaskOption("difficulty", int, 26, "pointer_walk: the longest cycle (3..26); each prompt draws its own length "
+               "and hop count", check=lambda v, c: None if 3 <= v <= 26 else
+               "difficulty must be in 3..26 (letters in the longest cycle)"),
+    TaskOption("min_difficulty", int, 0, "pointer_walk: the shortest cycle; 0 = difficulty - 10 (at least 3)",
+               check=lambda v, c: None if v == 0 or 3 <= v <= c.difficulty else
+               "min_difficulty must be 0 (difficulty - 10) or in 3..difficulty"))
 class PointerWalkTask:
     """`letters` is the difficulty knob: the longest cycle (3..26). Cycle lengths are drawn from
     `min_letters` (default: letters - 10, at least 3) to `letters`."""

@@ -12,9 +12,9 @@ from tqdm import tqdm
 
 from ..learner.alpha import rollout_alpha_metrics
 from ..rollout.acceptance import bin_tails
-from ..rollout.engine import sparsity_from_config
-from ..rollout.schedule import BinnedBudget, BudgetSchedule, FixedBudget
-from ..rollout.scheduler import RowLimits
+from ..rollout.dispatch.scheduler import RowLimits
+from ..rollout.sparsity.budgets import BinnedBudget, BudgetSchedule, FixedBudget
+from ..rollout.sparsity.settings import sparsity_from_config
 from .evaluation import complete
 
 

@@ -13,10 +13,16 @@ from tqdm import tqdm
 
 from ..learner.alpha import rollout_alpha_metrics
 from ..rewards.runner import RewardRunner
-from ..rollout.block_sparse import BlockSparsity
-from ..rollout.engine import KVCompression, RolloutBatch, RolloutEngine, SamplingConfig
-from ..rollout.kv_cache import KVStats
-from ..rollout.scheduler import RowLimits, request_seed, rows_in_flight, schedule_rollouts
+from ..rollout.batch import KVStats, RolloutBatch, SamplingConfig
+from ..rollout.dispatch.scheduler import (
+    RowLimits,
+    request_seed,
+    rows_in_flight,
+    schedule_rollouts,
+)
+from ..rollout.engine.engine import RolloutEngine
+from ..rollout.sparsity.block_sparse import BlockSparsity
+from ..rollout.sparsity.eviction import KVCompression
 from ..tasks.base import Example, Task, is_correct, walk_metrics
 
 

@@ -41,7 +41,7 @@ LOCK_FILE = ".lock"
 # they are not in this set).
 RUN_FREE_FIELDS = frozenset({"steps", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
                              "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus",
-                             "rollout_kv_memory", "max_concurrent_rows"})
+                             "rollout_backend", "rollout_kv_memory", "max_concurrent_rows"})
 Resume = Literal["never", "must", "auto"]
 # The lock files this process holds. An flock belongs to the open file, which a fork shares: a child
 # that kept its copy would keep the lock for as long as it lives.

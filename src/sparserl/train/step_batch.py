@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..learner.corrections import Corrections
-from ..rollout.engine import RolloutBatch
-from ..rollout.sampler import StepRollouts
+from ..rollout.batch import RolloutBatch
+from ..rollout.dispatch.shards import StepRollouts
 from ..tasks.base import Example
 
 

@@ -36,21 +36,36 @@ from ..model.loading import load_policy, resolve_device, sampling_generator
 from ..model.threads import set_threads
 from ..rewards.runner import RewardRunner
 from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
-from ..rollout.engine import RolloutBatch, RolloutEngine, SamplingConfig, sparsity_from_config
-from ..rollout.sampler import concat_rollouts, make_rollouts, plan_shards, rollout_metrics
-from ..rollout.schedule import AdaptiveBudget, BinnedBudget
-from ..rollout.scheduler import RowLimits
-from ..rollout.speculative import SpeculativeSampler
-from ..rollout.speculative_drafts import draft_from_config
+from ..rollout.batch import RolloutBatch, SamplingConfig
+from ..rollout.dispatch.backends import make_rollouts
+from ..rollout.dispatch.scheduler import RowLimits
+from ..rollout.dispatch.shards import concat_rollouts, plan_shards, rollout_metrics
+from ..rollout.dispatch.spec import SamplerSpec
+from ..rollout.sparsity.budgets import BinnedBudget
+from ..rollout.sparsity.settings import adaptive_budget, sparsity_from_config
+from ..rollout.speculative.drafts import draft_from_config
 from ..tasks.base import is_correct, walk_metrics
 from ..tasks.registry import max_new_tokens, task_from_config
 from .checkpoint import TrainerState, load_adapter, load_trainer_state, save_checkpoint
 from .evaluation import decode_responses, greedy_scores, response_ids, task_rewards
-from .hooks import AdaptiveBudgetHook, DistillSparseHook, RecalibrationHook, StepHook
+from .hooks import (
+    AdaptiveBudgetHook,
+    DistillSparseHook,
+    HookUpdate,
+    HookView,
+    RecalibrationHook,
+    StepHook,
+)
 from .layout import POLICY_DIR
 from .metrics import MetricsLogger
 from .run_dir import Resume, StopRequest, open_run_dir
-from .step_batch import StepBatch, kept_advantages, kept_vs_rejected, reward_metrics, step_seed
+from .step_batch import (
+    StepBatch,
+    kept_advantages,
+    kept_vs_rejected,
+    reward_metrics,
+    step_seed,
+)
 
 LENGTH_BUCKETS = 4
 SLOW_STEP_FACTOR = 4.0  # a step this many times the run's median step time so far is said
@@ -136,27 +151,30 @@ class GRPOTrainer:
         self.state.threads = threads.threads
         logging.getLogger(__name__).info("torch threads: %d (%s)", threads.threads, threads.reason)
         self.compression = sparsity_from_config(config.rollout)  # eviction or block-sparse attention
-        if isinstance(self.compression.schedule, AdaptiveBudget) and self.state.kv_budgets:
-            self.compression.schedule.budgets = list(self.state.kv_budgets)
+        self.adaptive = adaptive_budget(config.rollout) if config.rollout.kv_schedule == "adaptive" else None
+        if self.adaptive is not None and self.state.kv_budgets:
+            self.adaptive.budgets = list(self.state.kv_budgets)
+        if self.adaptive is not None:
+            self.compression = dataclasses.replace(self.compression, schedule=self.adaptive.snapshot())
         elif config.rollout.recalibrate_every and self.state.kv_budgets:  # the last recalibration's schedule
             self.compression = dataclasses.replace(
                 self.compression, schedule=BinnedBudget(config.rollout.alpha_bin_size, tuple(self.state.kv_budgets)))
         # Speculative rollouts are exact dense samples whatever the mode: nothing sparse to measure or correct.
         self.sparse = load_preset(config.train.mode).sparse_rollouts and not config.rollout.speculative
-        self.draft = draft_from_config(config.rollout) if config.rollout.speculative else None
-        if self.draft is not None:
-            self.engine = SpeculativeSampler(self.model, self.draft, config.rollout.draft_tokens,
-                                             bin_size=config.rollout.alpha_bin_size)
-        else:
-            self.engine = RolloutEngine(self.model, self.compression if self.sparse else None,
-                                        record_evictions=self.adapter is not None,  # DistillSparse's replay needs them
-                                        record_distributions=self.sparse)
-        self.rollouts = make_rollouts(config, self.engine, self.adapter, self.device)
+        # What every step samples with but its sparsity (which a budget controller may move): DistillSparse's
+        # replay needs the eviction records, α the sampler's distributions.
+        self.sampler_spec = SamplerSpec(
+            draft=draft_from_config(config.rollout) if config.rollout.speculative else None,
+            draft_tokens=config.rollout.draft_tokens, record_evictions=self.adapter is not None,
+            record_distributions=self.sparse)
+        self.rollouts = make_rollouts(config, self.model, self.adapter, self.device)
         self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
         self.row_limits = RowLimits.from_rollout_config(config.rollout, self.device)
         self.corrections = config.correction
         self.eval_examples = self.task.examples(config.output.eval_examples, seed=config.train.seed, split="test")
         self.hooks = self._hooks(config)
+        self.hook_view = HookView(config, self.model, self.tokenizer, self.task, self.max_new_tokens, self.device,
+                                  self.sampler)
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
                                     run_name=self.run_dir.name, config=config.to_dict())
         self._starve_warned = False
@@ -165,8 +183,8 @@ class GRPOTrainer:
         hooks: list[StepHook] = []
         if config.rollout.recalibrate_every:
             hooks.append(RecalibrationHook(config.rollout.recalibrate_every, bool(config.rollout.kv_schedule)))
-        if isinstance(self.compression.schedule, AdaptiveBudget):
-            hooks.append(AdaptiveBudgetHook())
+        if self.adaptive is not None:
+            hooks.append(AdaptiveBudgetHook(self.adaptive))
         if self.distill is not None:
             hooks.append(DistillSparseHook(self.distill))
         return hooks
@@ -243,14 +261,14 @@ class GRPOTrainer:
         record: dict[str, float] = {"step": step}
         before = {}
         for hook in self.hooks:
-            before.update(hook.before_sampling(self, step))
+            before.update(self._apply(hook.before_sampling(self.hook_view, step)))
         budgets_used = self._schedule_metrics()  # before an adaptive schedule moves
         data = self._sample(step)
         self._score(data)
         recompute_started = now(self.device)
         self._recompute(data)
         for hook in self.hooks:
-            record.update(hook.after_recompute(self, data))
+            record.update(self._apply(hook.after_recompute(self.hook_view, data)))
         self._correct(data)
         recompute_s = now(self.device) - recompute_started
         update_started = now(self.device)
@@ -259,8 +277,8 @@ class GRPOTrainer:
         update_s = now(self.device) - update_started
         record.update(reward_metrics(data.rewards, data.correct))
         record.update(rollout_metrics(data.batch, data.rollouts))
-        if self.draft is not None:
-            record.update(self.engine.take_metrics())
+        if data.rollouts.stats is not None:  # what the sampler counted (speculative rollouts: acceptance)
+            record.update(data.rollouts.stats.metrics(self.config.rollout.alpha_bin_size))
         record.update(update)
         record.update(self._diagnose(data))
         record.update({**budgets_used, **before, "rejected_token_frac": rejected, "skipped": int(skipped),
@@ -287,7 +305,7 @@ class GRPOTrainer:
                                   kv_memory_bytes=self.row_limits.kv_memory_bytes, max_rows=self.row_limits.max_rows)
         self.rollouts.sync_weights(self.model, self.state.step)
         rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
-                                          self.compression if self.sparse else self.draft)
+                                          self.step_sampler())
         batch = concat_rollouts(rollouts.shards, self.tokenizer.pad_token_id)
         return StepBatch(step, examples, rollouts, batch, sampling_generator(self.model, seed))
 
@@ -375,7 +393,7 @@ class GRPOTrainer:
         update = self._update(data.batch, data.logp_old, data.logp_ref, data.advantages, corrections.weights,
                               corrections.keep_mask, data.generator, data.fused_forward)
         for hook in self.hooks:
-            update.update(hook.after_update(self, data))
+            update.update(self._apply(hook.after_update(self.hook_view, data)))
         return update
 
     def _diagnose(self, data: StepBatch) -> dict[str, float]:
@@ -435,6 +453,17 @@ class GRPOTrainer:
         return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
 
     # ------------------------------------------------------------------ schedules
+    def step_sampler(self) -> SamplerSpec:
+        """What this step samples with: the run's sampler, with the sparsity (and budgets) in force now."""
+        return dataclasses.replace(self.sampler_spec, sparsity=self.compression if self.sparse else None)
+
+    def _apply(self, update: HookUpdate) -> dict[str, float]:
+        """A hook's new budget schedule takes effect now (and is checkpointed); its metrics go to the record."""
+        if update.schedule is not None:
+            self.compression = dataclasses.replace(self.compression, schedule=update.schedule)
+            self.state.kv_budgets = list(update.schedule.budgets)
+        return update.metrics
+
     def _schedule_metrics(self) -> dict[str, float]:
         """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
         schedule = self.compression.schedule if self.sparse else None

@@ -3,8 +3,9 @@
 Each full-attention layer holds its keys and values in buffers `[N, Hkv, capacity, D]`. A slot
 also records the column it came from (its index in the left-padded prompt+response layout) and
 whether it holds a real token; that is all the mask needs, since a slot is visible to every later
-query. A compression (the engine picks the slots, `BufferLayer.keep` moves them) gathers the w
-most recent real slots plus the B - w best-scored others to the front of the buffer, so the buffer never grows past max(prompt, B) + interval.
+query. A compression (`sparsity/eviction.py` picks the slots, `BufferLayer.keep` moves them) gathers the w
+most recent real slots plus the B - w best-scored others to the front of the buffer, so the buffer never grows
+past max(prompt, B) + interval.
 
 With no compression policy the same class is the dense cache: one code path for both, which is
 what makes a sparse rollout with a huge budget bitwise the dense one. Block-sparse attention reads
@@ -22,11 +23,11 @@ slot for slot, and reads nothing past the length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..model.forward import text_config
 
 
 class BufferLayer(CacheLayerMixin):
@@ -237,71 +238,6 @@ def _grow(tensor: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
 
 
-@dataclass
-class EvictionEvent:
-    """Just before column `first_column` was fed, layer `layer` was compressed to `kept_columns [N, Hs, B]`."""
-
-    first_column: int
-    layer: int
-    kept_columns: torch.Tensor
-
-
-@dataclass
-class KVStats:
-    """What a rollout's cache cost; bytes are measured from the buffers' own `nbytes`."""
-
-    kv_peak_bytes: int = 0
-    kv_dense_bytes: int = 0
-    kv_peak_bytes_by_layer_type: dict[str, int] = field(default_factory=dict)
-    compressions: int = 0
-    compress_seconds: float = 0.0
-    kept_tokens: torch.Tensor | None = None  # [N] real tokens held at the end (full-attention layers, mean)
-    evicted_tokens: torch.Tensor | None = None  # [N] real tokens evicted over the rollout (same average)
-    # Block-sparse attention: mean over decode steps and sparse layers of attended real keys / cached
-    # real keys (1.0 for dense and eviction rollouts, which attend to all they hold).
-    attended_frac: float = 1.0
-    rows_in_flight: int = 0  # the most rows decoding at once (the scheduler's S; 0: not scheduled)
-    waves: int = 1  # groups of rows that started together: cohorts joining freed rows, or waves run in turn
-
-    @classmethod
-    def merged(cls, stats: list[KVStats], rows: list[int]) -> KVStats:
-        """The figures of several rollouts (`rows[i]` rows in `stats[i]`): waves and evaluation chunks run
-        one after the other, a step's shards in this process or on Ray workers. The one rule for memory:
-        figures are per sampler, the most one of them held at once (each sampler has its memory of its own,
-        and `--rollout-kv-memory` is its budget), so peak and dense-equivalent bytes and rows in flight are
-        the largest rollout's, and the same for a step sampled here or on workers. Counts and seconds add
-        up, per-row figures are concatenated, the attended fraction is a mean over rows."""
-        total = max(sum(rows), 1)
-        per_row = {name: None if any(getattr(s, name) is None for s in stats) else
-                   torch.cat([getattr(s, name) for s in stats]) for name in ("kept_tokens", "evicted_tokens")}
-        return cls(
-            kv_peak_bytes=max(s.kv_peak_bytes for s in stats),
-            kv_dense_bytes=max(s.kv_dense_bytes for s in stats),
-            kv_peak_bytes_by_layer_type={k: max(s.kv_peak_bytes_by_layer_type.get(k, 0) for s in stats)
-                                         for k in stats[0].kv_peak_bytes_by_layer_type},
-            compressions=sum(s.compressions for s in stats),
-            compress_seconds=sum(s.compress_seconds for s in stats),
-            attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
-            rows_in_flight=max(s.rows_in_flight for s in stats),
-            waves=sum(s.waves for s in stats),
-            **per_row,
-        )
-
-    def summary(self, rollout_seconds: float) -> dict[str, float]:
-        """The figures under the names every report uses (training metrics, evaluation, sweeps)."""
-        kept, evicted = self.kept_tokens, self.evicted_tokens
-        return {
-            "kv_peak_bytes": self.kv_peak_bytes, "kv_dense_bytes": self.kv_dense_bytes,
-            "kv_peak_frac": self.kv_peak_bytes / max(self.kv_dense_bytes, 1),
-            "kv_kept_tokens_mean": float(kept.mean()), "kv_evicted_tokens_mean": float(evicted.mean()),
-            "kv_kept_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
-            "kv_compressions": self.compressions,
-            "kv_compress_time_frac": self.compress_seconds / max(rollout_seconds, 1e-9),
-            "kv_attended_frac": self.attended_frac,
-            "rows_in_flight": self.rows_in_flight, "rollout_waves": self.waves,
-        }
-
-
 class BufferCache(Cache):
     """The engine's cache: one `BufferLayer` per decoder layer."""
 
@@ -334,7 +270,7 @@ def build_cache(model, batch: int, capacities: list[int], per_head_selection: bo
     """One buffer layer per decoder layer, holding up to `capacities[i]` slots and growing
     `growth` slots at a time (capacities kept multiples of `page_size`); sliding-window layers get
     the dense `full_capacity`."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 class BudgetSchedule:
@@ -87,8 +87,10 @@ class BinnedBudget(BudgetSchedule):
                                              sort_keys=False))
 
 
-class AdaptiveBudget(BudgetSchedule):
-    """A binned schedule that training adjusts from each step's own α tail (`--kv-schedule adaptive`).
+class AdaptiveBudget:
+    """The controller of `--kv-schedule adaptive`: a binned schedule that training adjusts from each step's own
+    α tail. Samplers never hold it: each step samples under its `snapshot()`, a fixed `BinnedBudget`, so a
+    step's budgets are those in force when it started, wherever it is sampled (here or on Ray workers).
 
     `update(tails)` takes {bin start: tail} of the step's rollouts. When a bin's tail fell below τ,
     every bin up to it gains `step` tokens: under eviction a late failure comes from what earlier
@@ -101,12 +103,9 @@ class AdaptiveBudget(BudgetSchedule):
         self.bin_size, self.tau, self.step, self.floor, self.margin = bin_size, tau, step, floor, margin
         self.budgets: list[int] = [initial]
 
-    def budget(self, cached_len: int) -> int:
-        return self.budgets[min(max(cached_len, 0) // self.bin_size, len(self.budgets) - 1)]
-
-    @property
-    def max_budget(self) -> int:
-        return max(self.budgets)
+    def snapshot(self) -> BinnedBudget:
+        """The budgets in force now, as a fixed schedule."""
+        return BinnedBudget(self.bin_size, tuple(self.budgets))
 
     def update(self, tails: dict[int, float]) -> None:
         if not tails:

@@ -1,4 +1,5 @@
-"""The rollout engine: batched sampling with its own decode loop and KV cache.
+"""The rollout engine: batched sampling with its own decode loop and KV cache (the dense sampler, and the
+sparse one with a `KVCompression` or a `BlockSparsity`).
 
 `RolloutEngine.generate` samples one response per prompt row (the caller repeats each prompt G
 times for a group), recording for every response token the log-prob of the exact distribution it
@@ -7,139 +8,25 @@ cache while decoding (a sparse rollout); with a `BlockSparsity` it keeps the who
 decode step attends to a budget of pages (`block_sparse.py`); without either it is the dense
 sampler. All run the same code, so a sparse rollout whose budget is never reached is bitwise the
 dense rollout.
-
-Layout: prompts are left-padded to width P and responses right-padded to width T, so a token's
-column in the `[N, P + T]` sequence is its identity for masks and for the eviction record.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from ..model.clock import now
-from .block_sparse import BlockSelections, BlockSparsity
+from ...model.clock import now
+from ..batch import RolloutBatch, SamplingConfig, left_pad
+from ..cache import build_cache
+from ..sparsity.block_sparse import BlockSparsity
+from ..sparsity.eviction import KVCompression
 from .decode_loop import DecodeLoop
-from .kv_cache import EvictionEvent, KVStats, build_cache
-from .kv_policies import KVPolicy, build_policy, policy_options
-from .schedule import AdaptiveBudget, BinnedBudget, BudgetSchedule, FixedBudget
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 means greedy
-    eos_token_id: int | None = None
-    pad_token_id: int = 0
-    # Pad prompts to at least this width (the step's longest prompt): a row's columns, and so when its
-    # cache is compressed, then do not depend on which rows share its batch. None: the batch's longest.
-    prompt_width: int | None = None
-    # The rollout scheduler's limits on rows in flight (`scheduler.py`): a KV memory budget in bytes
-    # (None: none) and a row count (0: none).
-    kv_memory_bytes: int | None = None
-    max_rows: int = 0
-
-
-@dataclass(frozen=True)
-class KVCompression:
-    """Sparse-rollout settings: budget B, observation window w, interval Δ (a cache past B is compressed
-    back to B every Δ decode steps, always keeping the w most recent tokens)."""
-
-    policy: str = "rkv"
-    budget: int = 32
-    window: int = 8
-    interval: int = 8
-    per_head: bool = False
-    policy_options: tuple[tuple[str, object], ...] = ()  # (config key, value) of the policies' options
-    # A budget that grows with the cached length; None keeps `budget` throughout.
-    schedule: BudgetSchedule | None = None
-
-    @classmethod
-    def from_rollout_config(cls, rollout) -> KVCompression:
-        """The settings of a `sparserl.config.schema.RolloutConfig` (its `kv_*` fields)."""
-        options = tuple((key, getattr(rollout, key)) for key in policy_options())
-        if rollout.kv_schedule == "adaptive":
-            schedule = AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
-                                      step=rollout.kv_interval, floor=rollout.kv_window + 1)
-        else:
-            schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule else None
-        return cls(policy=rollout.kv_policy, budget=rollout.kv_budget, window=rollout.kv_window,
-                   interval=rollout.kv_interval, per_head=rollout.kv_per_head, policy_options=options,
-                   schedule=schedule)
-
-    @property
-    def budgets(self) -> BudgetSchedule:
-        return self.schedule or FixedBudget(self.budget)
-
-    def build_policy(self) -> KVPolicy:
-        return build_policy(self.policy, dict(self.policy_options), self.window)
-
-
-def sparsity_from_config(rollout) -> KVCompression | BlockSparsity:
-    """The sparse sampler a `RolloutConfig` asks for (`rollout.sparsity`): KV eviction or block attention."""
-    if rollout.sparsity == "block":
-        return BlockSparsity.from_rollout_config(rollout)
-    return KVCompression.from_rollout_config(rollout)
-
-
-@dataclass
-class RolloutBatch:
-    """N sampled sequences. P = padded prompt width, T = padded response width."""
-
-    prompt_ids: torch.Tensor  # [N, P] long, left-padded
-    prompt_mask: torch.Tensor  # [N, P] bool
-    response_ids: torch.Tensor  # [N, T] long, right-padded
-    response_mask: torch.Tensor  # [N, T] float {0,1}
-    sampler_logprobs: torch.Tensor  # [N, T] float32, log-prob of each sampled token under the sampler
-    prompt_lengths: torch.Tensor  # [N] long
-    response_lengths: torch.Tensor  # [N] long
-    ended: torch.Tensor  # [N] bool, the response ends with EOS (not cut at max length)
-    rollout_seconds: float
-    kv: KVStats = field(default_factory=KVStats)
-    evictions: list[EvictionEvent] = field(default_factory=list)
-    # The sampler's whole processed next-token distribution `[N, T, V]` as log-probs, kept when the
-    # engine is asked to (what the acceptance rate needs) and V <= FULL_DISTRIBUTION_VOCAB. Above
-    # that it would not fit ([64, 4096, 150k] floats is 150 GB), and α replays the sampler instead.
-    sampler_distribution: torch.Tensor | None = None
-    # The batch holds what the exact replay of its sampler needs: dense rollouts, or sparse ones
-    # recorded with `record_evictions` (eviction events or block selections).
-    replayable: bool = False
-    # Block-sparse rollouts recorded with `record_evictions`: the pages each decode query attended.
-    block_selections: BlockSelections | None = None
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """`[N, P + T]` prompt and response in the column layout."""
-        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """`[N, P + T]` long, 1 on real tokens."""
-        return torch.cat([self.prompt_mask.long(), self.response_mask.long()], dim=1)
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-
-def left_pad(prompts: list[list[int]], pad_token_id: int,
-             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N, P]` ids and bool mask for left-padded prompts; P is the longest prompt, or `width` if larger."""
-    width = max(width or 0, max(len(p) for p in prompts))
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        if prompt:
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = True
-    return ids, mask
-
 
 FULL_DISTRIBUTION_VOCAB = 4096
 
 
 class RolloutEngine:
-    """Samples from a causal LM with a dense or compressed KV cache, or block-sparse attention.
+    """Samples from a causal LM with a dense or compressed KV cache, or block-sparse attention (a
+    `rollout.sampler.Sampler`).
 
     `record_distributions` keeps what the acceptance rate α needs: the sampler's processed next-token
     distribution at every response position for a vocabulary up to FULL_DISTRIBUTION_VOCAB, else
@@ -159,6 +46,10 @@ class RolloutEngine:
         self.record_distributions = record_distributions
         large_vocabulary = model.get_output_embeddings().weight.shape[0] > FULL_DISTRIBUTION_VOCAB
         self.record_evictions = record_evictions or (record_distributions and large_vocabulary)
+
+    def take_stats(self) -> None:
+        """Nothing is counted beyond each batch's own `kv` figures."""
+        return None
 
     @property
     def refills_rows(self) -> bool:

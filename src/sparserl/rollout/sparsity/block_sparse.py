@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import BufferCache
-from .schedule import AdaptiveBudget, BinnedBudget, BudgetSchedule, FixedBudget
+from ..cache import BufferCache
+from .budgets import BinnedBudget, BudgetSchedule, FixedBudget
 
 ALWAYS_KEPT = 3  # the sink page and the 2 most recent pages
 
@@ -38,13 +38,10 @@ class BlockSparsity:
 
     @classmethod
     def from_rollout_config(cls, rollout) -> BlockSparsity:
-        """The settings of a `sparserl.config.schema.RolloutConfig` (`kv_budget`, `kv_schedule`, `block_*`)."""
-        if rollout.kv_schedule == "adaptive":
-            # An adaptive budget moves a page at a time and never below the always-kept pages.
-            schedule = AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
-                                      step=rollout.block_page_size, floor=ALWAYS_KEPT * rollout.block_page_size)
-        else:
-            schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule else None
+        """The settings of a `sparserl.config.schema.RolloutConfig` (`kv_budget`, `kv_schedule`, `block_*`). An
+        adaptive schedule starts at `kv_budget`; training moves it (`budgets.AdaptiveBudget`, `train.hooks`)."""
+        schedule = BinnedBudget.from_yaml(rollout.kv_schedule) if rollout.kv_schedule not in (None, "adaptive") \
+            else None
         return cls(budget=rollout.kv_budget, page_size=rollout.block_page_size,
                    dense_layers=rollout.block_dense_layers, schedule=schedule)
 

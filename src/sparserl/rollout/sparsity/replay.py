@@ -15,10 +15,11 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import masked_attention
+from ...model.attention import masked_attention
+from ...model.forward import text_config
+from ..batch import EvictionEvent, RolloutBatch
+from ..cache import layer_windows
 from .block_sparse import BlockSelections
-from .engine import RolloutBatch
-from .kv_cache import EvictionEvent, layer_windows
 
 
 def replay_masks(attention_mask: torch.Tensor, events: list[EvictionEvent], num_layers: int,
@@ -70,7 +71,7 @@ class _ReplayAttention:
 def replay_attention(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None):
     """Inside, a teacher-forced forward of `batch.input_ids[rows]` sees what the sparse sampler saw."""
     rows = slice(None) if rows is None else rows
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     windows = layer_windows(config)
     events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
     blocks = batch.block_selections.rows(rows) if batch.block_selections is not None else None

@@ -1,7 +1,7 @@
-"""The rollout scheduler: a batch of requests runs through the engine at most S rows at a time.
+"""The rollout scheduler: a batch of requests runs through a sampler at most S rows at a time.
 
 S, the rows in flight, comes from a KV memory budget (`--rollout-kv-memory`): each row reserves the
-bytes its cache can reach (`RolloutEngine.row_bytes`): the whole sequence for a dense row, the
+bytes its cache can reach (`Sampler.row_bytes`): the whole sequence for a dense row, the
 compressed capacity (max(prompt, budget) + one interval, the schedule's largest budget when there
 is a schedule) for a sparse one, the whole cache for block-sparse attention. A compressed sampler
 therefore runs proportionally more rows in the same bytes. `--max-concurrent-rows` caps S directly.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config.sizes import parse_memory
-from ..errors import ConfigError
-from .block_sparse import BlockSelections
-from .engine import RolloutBatch, RolloutEngine, SamplingConfig
-from .kv_cache import EvictionEvent, KVStats
+from ...errors import ConfigError
+from ..batch import EvictionEvent, KVStats, RolloutBatch, SamplingConfig
+from ..sampler import Sampler
+from ..sizes import parse_memory
+from ..sparsity.block_sparse import BlockSelections
 
 AUTO_MEMORY_SHARE = 0.9  # of the memory free after the weights, as vLLM's gpu_memory_utilization
 # Rows an inference command decodes at once when neither --max-concurrent-rows nor --rollout-kv-memory is set.
@@ -77,13 +77,13 @@ def resolve_kv_memory(setting: str | None, device: torch.device) -> int | None:
     return int(AUTO_MEMORY_SHARE * free_memory_bytes(device)) if size == "auto" else size
 
 
-def rows_in_flight(engine: RolloutEngine, sampling: SamplingConfig, width: int, requests: int) -> int:
+def rows_in_flight(sampler: Sampler, sampling: SamplingConfig, width: int, requests: int) -> int:
     """S for `requests` rows: the KV budget's rows, capped by `sampling.max_rows` and by the requests."""
     rows = requests
     if sampling.max_rows:
         rows = min(rows, sampling.max_rows)
     if sampling.kv_memory_bytes is not None:
-        each = engine.row_bytes(width, sampling.max_new_tokens)
+        each = sampler.row_bytes(width, sampling.max_new_tokens)
         fits = sampling.kv_memory_bytes // each
         if fits < 1:
             raise ConfigError(f"rollout_kv_memory {sampling.kv_memory_bytes / 2**20:.2f} MiB holds no row: one "
@@ -93,19 +93,19 @@ def rows_in_flight(engine: RolloutEngine, sampling: SamplingConfig, width: int, 
     return rows
 
 
-def schedule_rollouts(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig,
+def schedule_rollouts(sampler: Sampler, prompts: list[list[int]], sampling: SamplingConfig,
                       seeds: list[int], on_step=None) -> RolloutBatch:
     """Sample one response per prompt (row i from `seeds[i]`), at most S rows at a time (see the module)."""
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     width = max(sampling.prompt_width or 0, max(len(p) for p in prompts))
     sampling = dataclasses.replace(sampling, prompt_width=width)
-    rows = rows_in_flight(engine, sampling, width, len(prompts))
-    if engine.refills_rows:
-        batch = engine.generate(prompts, sampling, seeds=seeds, on_step=on_step, max_rows=rows)
+    rows = rows_in_flight(sampler, sampling, width, len(prompts))
+    if sampler.refills_rows:
+        batch = sampler.generate(prompts, sampling, seeds=seeds, on_step=on_step, max_rows=rows)
         batch.kv.rows_in_flight = rows
         return batch
-    waves = [engine.generate(prompts[start:start + rows], sampling, seeds=seeds[start:start + rows], on_step=on_step)
+    waves = [sampler.generate(prompts[start:start + rows], sampling, seeds=seeds[start:start + rows], on_step=on_step)
              for start in range(0, len(prompts), rows)]
     merged = merge_waves(waves, sampling.pad_token_id)
     merged.kv.rows_in_flight = rows

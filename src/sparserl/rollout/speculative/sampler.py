@@ -36,51 +36,52 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.clock import now
-from ..model.forward import logit_scale
-from .acceptance import acceptance_rate
-from .attention import masked_attention
-from .block_sparse import BlockSparsity
-from .decode_loop import cache_keyword
-from .engine import RolloutBatch, RolloutEngine, SamplingConfig, decoder_layers, left_pad
-from .kv_cache import BufferCache, KVStats, build_cache
-from .speculative_drafts import WindowDraft, build_draft
-from .speculative_stats import AdaptiveDraftLength, SpeculationStats
-from .token_draws import draw_tokens, processed_logprobs, row_uniforms, stream_seeds
+from ...model.attention import masked_attention
+from ...model.clock import now
+from ...model.forward import logit_scale, positions_from_mask
+from ..acceptance import acceptance_rate
+from ..batch import KVStats, RolloutBatch, SamplingConfig, left_pad
+from ..cache import BufferCache, build_cache
+from ..engine.decode_loop import cache_keyword
+from ..engine.engine import RolloutEngine, decoder_layers
+from ..engine.token_draws import (
+    draw_tokens,
+    processed_logprobs,
+    row_uniforms,
+    stream_seeds,
+)
+from ..sparsity.block_sparse import BlockSparsity
+from .drafts import WindowDraft, build_draft
+from .stats import AdaptiveDraftLength, SpeculationStats
 
 # Counter streams of a row's seed besides the draws' own: the acceptance tests and the residual draws.
 _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5DEECE66D, 0x2545F4914F6CDD1D
 
 
 class SpeculativeSampler:
-    """Samples exactly from the dense policy of `model`, drafting with `compression`: block-sparse
-    attention, a sink and recent window, or None (dense: every draft accepted, the tests' identity
-    case); `speculative_drafts.py`.
+    """Samples exactly from the dense policy of `model`, drafting with `draft`: block-sparse attention, a
+    sink and recent window, or None (dense: every draft accepted, the tests' identity case); `drafts.py`.
 
     `draft_tokens`: γ, or "adaptive" (γ ≤ `max_draft_tokens` chosen each round from the running
-    acceptance rate and step costs, `AdaptiveDraftLength`). The scheduler drives it like a
-    `RolloutEngine`: `generate(prompts, sampling, seeds=..., on_step=...)` and `row_bytes(width, steps)`.
+    acceptance rate and step costs, `AdaptiveDraftLength`). A `rollout.sampler.Sampler`: rows that end
+    leave the batch and none join (`refills_rows` is False: the scheduler gives it its prompts in waves).
     """
 
-    def __init__(self, model, compression: BlockSparsity | WindowDraft | None, draft_tokens: int | str = 4,
-                 max_draft_tokens: int = 8, bin_size: int = 16):
+    refills_rows = False
+
+    def __init__(self, model, draft: BlockSparsity | WindowDraft | None, draft_tokens: int | str = 4,
+                 max_draft_tokens: int = 8):
         self.model = model
-        self.compression = compression
+        self.draft = draft
         self.draft_tokens = draft_tokens
         self.max_draft_tokens = max_draft_tokens if draft_tokens == "adaptive" else int(draft_tokens)
         self.adaptive = AdaptiveDraftLength(most=max_draft_tokens) if draft_tokens == "adaptive" else None
-        self.bin_size = bin_size
-        # The rollout plumbing reads these off any engine: speculative batches are dense, nothing to record.
-        self.record_evictions = False
-        self.record_distributions = False
-        self.refills_rows = False  # the scheduler runs waves; rows that end leave, none join
-        self.totals = SpeculationStats()  # over every generate since the last take_metrics
+        self.totals = SpeculationStats()  # over every generate since the last take_stats
 
-    def take_metrics(self) -> dict[str, float]:
-        """The speculation metrics accumulated since the last call (a training step's), then reset."""
-        metrics = self.totals.metrics(self.bin_size)
-        self.totals = SpeculationStats()
-        return metrics
+    def take_stats(self) -> SpeculationStats:
+        """What the speculation did since the last call (a step's, or a shard's on a worker), then reset."""
+        totals, self.totals = self.totals, SpeculationStats()
+        return totals
 
     def row_bytes(self, width: int, steps: int) -> int:
         """The KV bytes one row can reach: the dense cache plus the slack that holds rejected slots."""
@@ -89,15 +90,18 @@ class SpeculativeSampler:
     def _capacity(self, width: int, steps: int) -> int:
         """Buffer slots: the whole sequence plus a slack of an eighth (at least two rounds), so that
         compactions are rare; whole pages, which block attention gathers."""
-        page = self.compression.page_size if isinstance(self.compression, BlockSparsity) else 1
+        page = self.draft.page_size if isinstance(self.draft, BlockSparsity) else 1
         needed = width + steps + max(2 * (self.max_draft_tokens + 1), (width + steps) // 8)
         return -(-needed // page) * page
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int],
-                 on_step=None) -> SpeculativeBatch:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *, seeds: list[int],
+                 on_step=None, max_rows: int | None = None) -> SpeculativeBatch:
         """One response per prompt, row i drawn from `seeds[i]`; `on_step(k)` after each round that
-        advanced the longest row by k tokens. Rows that end leave the batch as in the engine."""
+        advanced the longest row by k tokens. Rows that end leave the batch as in the engine; `max_rows`
+        must hold every prompt (none joins later)."""
+        if max_rows is not None and max_rows < len(prompts):
+            raise ValueError("speculative rollouts admit no row after the first: run them in waves")
         model = self.model
         parameter = next(model.parameters())
         device, dtype = parameter.device, parameter.dtype
@@ -109,11 +113,11 @@ class SpeculativeSampler:
         if len(seeds) != batch:
             raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
         capacity = self._capacity(width, steps)
-        page = self.compression.page_size if isinstance(self.compression, BlockSparsity) else 1
+        page = self.draft.page_size if isinstance(self.draft, BlockSparsity) else 1
         cache = build_cache(model, batch, [capacity] * len(decoder_layers(model)), False, dtype, device,
                             full_capacity=capacity, page_size=page)
         slot_bytes = cache.bytes_per_slot()
-        draft = build_draft(self.compression, cache, steps, width)
+        draft = build_draft(self.draft, cache, steps, width)
         provider = _SpeculativeAttention(cache, draft)
         state = _Rows(batch, steps, sampling.pad_token_id, torch.tensor(seeds, dtype=torch.long, device=device),
                       prompt_mask.sum(dim=1), device, _logprob_dtype(dtype))
@@ -129,7 +133,7 @@ class SpeculativeSampler:
         with masked_attention(model, provider):
             provider.prefill = True
             provider.begin_forward(torch.arange(width, device=device).expand(batch, -1), prompt_mask)
-            positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            positions = positions_from_mask(prompt_mask)
             logits = model(input_ids=prompt_ids, position_ids=positions, **{keyword: cache},
                            use_cache=True, logits_to_keep=1).logits
             provider.prefill = False

@@ -45,9 +45,10 @@ from pathlib import Path
 
 import torch
 
-from ..model.clock import now
-from .engine import KVCompression
-from .schedule import BudgetSchedule
+from ...model.clock import now
+from ...model.forward import text_config
+from ..sparsity.budgets import BudgetSchedule
+from ..sparsity.eviction import KVCompression
 
 DEFAULT_CACHE = Path.home() / ".cache" / "sparserl" / "cost_rates.json"
 
@@ -76,7 +77,7 @@ class Shapes:
 
     @classmethod
     def of(cls, model) -> Shapes:
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) for p in m.parameters()}
         body = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
@@ -254,7 +255,8 @@ def probe(model, rows: int, policy: str = "rkv", long_cache: int = 1024) -> Rate
     terms from two short dense rollouts at cache lengths 64 and `long_cache` (choose it near the
     mean cache of the rollouts to predict); the compression terms from steady-state compressions of
     two short sparse rollouts, at budget 64 and at `long_cache` / 2."""
-    from .engine import RolloutEngine, SamplingConfig
+    from ..batch import SamplingConfig
+    from .engine import RolloutEngine
 
     shapes = Shapes.of(model)
     parameter = next(model.parameters())

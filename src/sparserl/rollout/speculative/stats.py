@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import alpha_metrics
+from ..acceptance import alpha_metrics
 
 PREFIX = "spec_"
 

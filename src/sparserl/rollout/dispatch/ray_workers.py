@@ -1,8 +1,9 @@
 """Rollouts on Ray actors: the driver keeps the learner, N `RolloutWorker`s sample the step's shards.
 
 Shape as in OpenRLHF and verl: each worker is a Ray actor holding a copy of the policy (built from
-the driver's model config, so no model files are needed on other machines), its rollout engine with
-the KV policy and schedule, and DistillSparse's adapter when there is one. After each update the
+the driver's model config, so no model files are needed on other machines) and DistillSparse's adapter when
+there is one; each request carries the step's `SamplerSpec`, from which the worker builds exactly the sampler
+the driver would (dense, sparse, block-sparse or speculative), once per spec. After each update the
 driver puts the new weights in the object store once (`sync_weights`: one `ray.put` per step, not
 per worker); a worker fetches them when a request names a version it does not hold, and every
 result says which version it sampled with, which the driver checks.
@@ -24,12 +25,14 @@ import warnings
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..model.clock import now
-from ..model.loading import resolve_device
-from .adapter import SamplerAdapter
-from .engine import RolloutEngine, SamplingConfig
-from .sampler import Sampler, Shard, ShardResult, StepRollouts, move_to
+from ...errors import ConfigError
+from ...model.clock import now
+from ...model.loading import resolve_device
+from ..adapter import AdapterConfig, SamplerAdapter, adapter_config
+from ..batch import SamplingConfig
+from .backends import register_backend
+from .shards import Shard, ShardResult, StepRollouts, fold_stats, move_to, sample_shard
+from .spec import SamplerCache, SamplerSpec
 
 log = logging.getLogger(__name__)
 MAX_SHARD_ATTEMPTS = 3  # a shard that kills this many workers in a row is a bug, not bad luck
@@ -90,10 +93,10 @@ def _join(ray, address: str) -> None:
 
 
 class RolloutWorker:
-    """One rollout actor (wrapped by `ray.remote` in `RayRollouts`). Its weights come from the driver."""
+    """One rollout actor (wrapped by `ray.remote` in `RayRollouts`). Its weights come from the driver, and its
+    sampler from each request's `SamplerSpec`: exactly the sampler the driver would build."""
 
-    def __init__(self, model_config, dtype: str, device: str, threads: int, adapter, compression,
-                 record_evictions: bool, record_distributions: bool):
+    def __init__(self, model_config, dtype: str, device: str, threads: int, adapter: AdapterConfig | None):
         """`threads`: the driver's torch thread count. The count changes float sums, so a worker samples
         with the driver's, whatever CPUs Ray gave it: its shards are then bit for bit the driver's."""
         from transformers import AutoModelForCausalLM
@@ -102,41 +105,46 @@ class RolloutWorker:
         model = AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, dtype))
         # Parameters keep requires_grad as in the driver: turning it off changes which CPU kernels run
         # (4.8e-7 apart on the built-in model), and the workers must sample bitwise as the driver would.
-        model = model.to(resolve_device(device)).eval()
+        self.model = model.to(resolve_device(device)).eval()
         torch.set_num_threads(threads)
-        adapter = SamplerAdapter(model, adapter) if adapter is not None else None
-        engine = RolloutEngine(model, compression, record_evictions=record_evictions,
-                               record_distributions=record_distributions)
-        self.sampler = Sampler(engine, adapter)
+        self.adapter = SamplerAdapter(self.model, adapter) if adapter is not None else None
+        self.samplers = SamplerCache(self.model)
         self.version = -1
 
     def pid(self) -> int:
         return os.getpid()
 
-    def generate(self, version: int, weights: list, shard: Shard, sampling: SamplingConfig, compression) -> ShardResult:
+    def generate(self, version: int, weights: list, shard: Shard, sampling: SamplingConfig,
+                 spec: SamplerSpec) -> ShardResult:
         """`weights`: `[ObjectRef]` of the driver's state dict at `version` (in a list, so that Ray only
         fetches it when this worker does not hold that version yet)."""
         import ray
 
         loaded = 0.0
         if version != self.version:
-            device = next(self.sampler.engine.model.parameters()).device
+            device = next(self.model.parameters()).device
             started = now(device)
-            self.sampler.engine.model.load_state_dict(tensors_from_arrays(ray.get(weights[0])))
+            self.model.load_state_dict(tensors_from_arrays(ray.get(weights[0])))
             self.version = version
             loaded = now(device) - started
-        self.sampler.engine.compression = compression
-        result = self.sampler.generate(shard, sampling, self.version)
+        result = sample_shard(self.samplers.get(spec), shard, sampling, self.version, self.adapter)
         result.weight_load_seconds = loaded
         return move_to(result, torch.device("cpu"))
 
 
+@register_backend("ray")
 class RayRollouts:
     """The driver's side: starts the workers, pushes weights, hands out shards, replaces lost workers."""
 
-    def __init__(self, rollout, model_config, dtype: str, device: torch.device, threads: int, adapter,
-                 compression,
-                 record_evictions: bool, record_distributions: bool):
+    @classmethod
+    def from_config(cls, config, model, adapter: SamplerAdapter | None, device: torch.device) -> RayRollouts:
+        """`config.rollout.rollout_workers` workers holding copies of `model` (with DistillSparse's adapter when
+        there is one), sampling with this process's torch thread count."""
+        return cls(config.rollout, model.config, config.model.dtype, device, torch.get_num_threads(),
+                   adapter_config(config.train) if adapter is not None else None)
+
+    def __init__(self, rollout, model_config, dtype: str, device: torch.device, threads: int,
+                 adapter: AdapterConfig | None):
         ray = import_ray()
         self.ray = ray
         self.owns_ray = not ray.is_initialized()
@@ -151,9 +159,7 @@ class RayRollouts:
         if device.type == "cuda":  # fractions of one GPU colocate workers (and the learner), as OpenRLHF does
             resources["num_gpus"] = rollout.worker_gpus or 1.0 / rollout.rollout_workers
         self.actor = ray.remote(**resources)(RolloutWorker)
-        self.worker_args = (model_config, dtype, "cuda" if device.type == "cuda" else "cpu",
-                            threads, adapter, compression, record_evictions,
-                            record_distributions)
+        self.worker_args = (model_config, dtype, "cuda" if device.type == "cuda" else "cpu", threads, adapter)
         # A worker takes shards once it has started (`ready`): the timeout must not count its start-up.
         self.workers, self.ready = [], []
         for _ in range(rollout.rollout_workers):
@@ -190,7 +196,7 @@ class RayRollouts:
         self.version = version
         self.push_seconds = time.perf_counter() - started
 
-    def generate(self, shards: list[Shard], sampling: SamplingConfig, compression) -> StepRollouts:
+    def generate(self, shards: list[Shard], sampling: SamplingConfig, spec: SamplerSpec) -> StepRollouts:
         ray = self.ray
         started = time.perf_counter()
         pending = collections.deque(shards)
@@ -206,7 +212,7 @@ class RayRollouts:
                     break
                 idle.remove(index)
                 shard = pending.popleft()
-                ref = self.workers[index].generate.remote(self.version, [self.weights], shard, sampling, compression)
+                ref = self.workers[index].generate.remote(self.version, [self.weights], shard, sampling, spec)
                 running[ref] = (index, shard, time.perf_counter())
             starting = [self.ready[i][0] for i in idle] if pending else []
             ready, _ = ray.wait(list(running) + starting, num_returns=1, timeout=POLL_SECONDS)
@@ -245,7 +251,7 @@ class RayRollouts:
                    "rollout_transfer_s": sum(transfer) / len(transfer)}
         self.push_seconds = 0.0  # counted once, in the step that pushed
         return StepRollouts([move_to(r.batch, self.device) for r in ordered], time.perf_counter() - started,
-                            retries, timeouts, timings)
+                            fold_stats(ordered), retries, timeouts, timings)
 
     def _retry(self, index: int, shard: Shard, pending: collections.deque, failures: collections.Counter,
                reason: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.forward import logit_scale
+from ...model.forward import logit_scale
 
 
 def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,

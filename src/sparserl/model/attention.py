@@ -1,8 +1,9 @@
 """Attention whose key mask comes from us, per layer, instead of from transformers.
 
 transformers builds one mask for all layers from the 2-D padding mask. After eviction every layer
-holds its own set of tokens (and, per head, possibly different ones), so the engine and the replay
-install a `MaskProvider` while they run, and the model's attention calls `attend` below. It also
+holds its own set of tokens (and, per head, possibly different ones), so the rollout engine and the
+replay install a `MaskProvider` while they run, and the model's attention calls `attend` below. It lives
+with the model because both sides use it: the sampler, and the learner's exact replay of it. It also
 lets the provider see each layer's post-RoPE queries, which SnapKV, R-KV and H2O score with, and
 narrow a decode query to a subset of keys it gathers (block-sparse attention reads fewer keys).
 Outside `masked_attention(...)` the model runs its normal attention, untouched. Attention logit

@@ -23,11 +23,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model.clock import Stopwatch
-from .attention import masked_attention
-from .block_sparse import BlockSelector, BlockSparsity
-from .kv_cache import BufferCache, EvictionEvent, KVStats, build_cache
-from .kv_policies import KVPolicy, ScoringInputs, additive_mask, select_slots
+from ...model.attention import masked_attention
+from ...model.clock import Stopwatch
+from ...model.forward import positions_from_mask
+from ..batch import EvictionEvent, KVStats
+from ..cache import BufferCache, build_cache
+from ..sparsity.block_sparse import BlockSelector, BlockSparsity
+from ..sparsity.eviction import compress_rows
+from ..sparsity.policies import KVPolicy, additive_mask
 from .token_draws import draw_tokens, row_uniforms
 
 
@@ -236,7 +239,7 @@ class DecodeLoop:
         ids, mask = self.prompt_ids[requests], self.prompt_mask[requests]
         with masked_attention(self.model, provider):
             provider.begin_forward(torch.arange(self.width, device=self.device).expand(count, -1), mask)
-            positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+            positions = positions_from_mask(mask)
             logits = self.model(input_ids=ids, position_ids=positions, **{self.cache_keyword: cache},
                                 use_cache=True, logits_to_keep=1).logits[:, -1]
         if self.cache is None:
@@ -357,39 +360,21 @@ class DecodeLoop:
         return logits
 
     def _compress(self, cohort: Cohort, first: int, own_step: int) -> bool:
-        """Compress the cohort's rows in every layer past its budget. Records, per (column, layer), the
-        columns each request kept."""
+        """Compress the cohort's rows in every layer past its budget (`sparsity.eviction.compress_rows`).
+        Records, per (column, layer), the columns each request kept."""
         self.compress_watch.start()
-        comp, cache, provider = self.comp, self.cache, self.provider
         column = self.width + own_step  # the column about to be fed
         # The schedule reads the cached length of the longest prompt's row (padded columns).
-        budgets = self.engine.layer_budgets(comp.budgets.budget(column), len(cache.layers))
-        block = slice(first, first + cohort.size)
-        compressed = False
-        for layer_idx, layer in enumerate(cache.layers):
-            budget, length = budgets[layer_idx], layer.row_length(first)
-            if layer.is_sliding or length <= budget:
-                continue
-            mass = provider.mass.get(layer_idx)
-            inputs = ScoringInputs(
-                keys=layer.keys[block, :, :length], queries=provider.queries[layer_idx][block],
-                query_real=provider.window_real[block], real=layer.real[block, :, :length],
-                columns=layer.columns[block, :, :length],
-                attention_mass=mass[block, :, :length] if mass is not None else None,
-                layer_idx=layer_idx, num_layers=len(cache.layers),
-            )
-            slots = select_slots(cohort.policy.score(inputs), inputs.real, inputs.columns, budget, comp.window)
-            cohort.policy.before_keep(inputs, slots)
-            layer.keep(slots, first)
-            provider.after_keep(layer_idx, slots, first, layer.length)
-            if self.engine.record_evictions:
-                kept = layer.columns[block, :, :budget].clone()
-                self.kept_columns[(column, layer_idx)].append((self.rows[block], kept))
-            compressed = True
+        budgets = self.engine.layer_budgets(self.comp.budgets.budget(column), len(self.cache.layers))
+        compressed = compress_rows(cohort.policy, self.comp.window, self.cache, self.provider, first, cohort.size,
+                                   budgets, record=self.engine.record_evictions)
+        for layer_idx, kept in compressed:
+            if kept is not None:
+                self.kept_columns[(column, layer_idx)].append((self.rows[first:first + cohort.size], kept))
         if compressed:
             self.stats.compressions += 1
             self.compress_watch.stop()
-        return compressed
+        return bool(compressed)
 
     def evictions(self) -> list[EvictionEvent]:
         """The eviction record, one event per (column, layer), every request in it (a request that had

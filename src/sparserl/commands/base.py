@@ -1,0 +1,89 @@
+"""What every command shares: the `Command` registry (`@command`), the common flags, and the small parsers and
+writers of the commands' own arguments. Nothing here imports torch: `sparserl --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help, what adds its flags to its parser, and what runs it (an exit code)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}  # filled by @command, in the order `commands/__init__.py` imports them
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda sub: None):
+    """Register the decorated function as `sparserl NAME`."""
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = Command(help, add_arguments, run)
+        return run
+    return register
+
+
+# The config fields each inference-only command uses: the model, the task, the sampler and its cache.
+INFERENCE_FIELDS = ("model", "task", "rollout", "seed")
+SAMPLER_ONLY = ("prompts_per_step", "group_size", "ignore_eos")
+
+
+def common_arguments(sub: argparse.ArgumentParser, out_help: str | None = None) -> None:
+    sub.add_argument("--config", metavar="FILE", help="YAML config applied before the flags")
+    if out_help:
+        sub.add_argument("--out", required=True, metavar="FILE.json", help=out_help)
+
+
+def inference_arguments(sub, out_help: str) -> None:
+    from ..config.flags import add_config_arguments
+
+    common_arguments(sub, out_help)
+    sub.add_argument("--n", type=int, default=200, help="held-out prompts (default: 200)")
+    add_config_arguments(sub, only=INFERENCE_FIELDS, skip=("out",) + SAMPLER_ONLY)
+
+
+def config_from_args(args):
+    from ..config.flags import overrides_from_args
+    from ..config.schema import load_config
+
+    return load_config(args.config, overrides_from_args(args))
+
+
+def int_list(text: str, flag: str, minimum: int) -> list[int]:
+    from ..config.schema import coerce
+    from ..errors import ConfigError
+
+    values = [coerce(item.strip(), int, flag) for item in text.split(",") if item.strip()]
+    if not values or min(values) < minimum:
+        raise ConfigError(f"--{flag} {text!r}: give one or more comma-separated integers >= {minimum}")
+    return values
+
+
+def check_ranges(args, bounds: dict[str, tuple[float, float, str]]) -> None:
+    """Refuse a command's own numeric flags outside their range at once: {dest: (low, high, meaning)}."""
+    from ..errors import ConfigError
+
+    for dest, (low, high, meaning) in bounds.items():
+        value = getattr(args, dest)
+        if not low <= value <= high:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} {value:g} is out of range: {meaning}")
+
+
+def write_json(out: Path, result: dict) -> None:
+    from ..errors import ConfigError
+
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as error:
+        raise ConfigError(f"--out {out}: cannot write there ({error.strerror}); choose a writable path") from None

@@ -1,0 +1,48 @@
+"""`sparserl compare`: modes over seeds, and the paper-style report (`experiments/compare.py`)."""
+
+from __future__ import annotations
+
+from .base import command, common_arguments, int_list
+
+
+def _arguments(sub) -> None:
+    from ..config.flags import add_config_arguments
+    from ..config.presets import DEFAULT_COMPARE
+
+    common_arguments(sub)
+    default = ",".join(DEFAULT_COMPARE)
+    sub.add_argument("--modes", default=default,
+                     help=f"comma-separated modes to run (default: {default}; add others from `sparserl presets`, "
+                          "e.g. sparse-tis,sparse-rs for the ablations)")
+    sub.add_argument("--seeds", default=None, metavar="S,S,...",
+                     help="comma-separated seeds, each a full set of runs (default: --seed); cells are reported as "
+                          "mean (min–max) over them")
+    add_config_arguments(sub, skip=("mode",))
+
+
+@command("compare",
+         "run dense, naive-sparse, sparse-rl (and ablations) over seeds and write the report",
+         _arguments)
+def _compare(args) -> int:
+    from ..config.flags import overrides_from_args
+    from ..config.presets import DEFAULT_COMPARE, PresetError, load_preset
+    from ..config.schema import load_config
+    from ..experiments.compare import run_compare
+
+    overrides = overrides_from_args(args)
+
+    def config_for_mode(mode: str):
+        settings = {**overrides, "mode": mode}
+        try:
+            dense = not load_preset(mode).sparse_rollouts
+        except PresetError:
+            dense = False  # run_compare names the unknown mode
+        if dense:  # DistillSparse and recalibration belong to sparse samplers; the dense baseline runs without
+            settings.update(distill_sparse=False, recalibrate_every=0)
+        return load_config(args.config, settings)
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    seeds = [config_for_mode(modes[0] if modes else DEFAULT_COMPARE[0]).train.seed] if args.seeds is None \
+        else int_list(args.seeds, "seeds", minimum=0)
+    run_compare(config_for_mode, modes, seeds)
+    return 0

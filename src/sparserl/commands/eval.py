@@ -1,0 +1,34 @@
+"""`sparserl eval`: held-out accuracy and pass@k of a model, run or checkpoint, dense or sparse (`experiments/eval.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import check_ranges, command, inference_arguments, write_json
+
+
+def _arguments(sub) -> None:
+    inference_arguments(sub, "where to write the results")
+    sub.add_argument("--samples", type=int, default=8, help="samples per prompt for pass@k (default: 8; 0: none)")
+    sub.add_argument("--inference", choices=["dense", "sparse", "both"], default=None,
+                     help="dense or sparse (compressed KV) decoding, or both; default dense, or sparse when a --kv-* "
+                          "flag is given")
+
+
+@command("eval", "held-out accuracy and pass@k, dense or sparse inference", _arguments)
+def _eval(args) -> int:
+    from ..config.flags import overrides_from_args
+    from ..experiments.eval import config_for_eval, run_eval
+
+    check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
+                        "samples": (0, float("inf"), "samples per prompt for pass@k, 0 (none) or more")})
+    overrides = overrides_from_args(args)
+    config = config_for_eval(args.config, overrides)
+    inference = args.inference or ("sparse" if any(k.startswith("kv_") for k in overrides) else "dense")
+    result = run_eval(config, n=args.n, samples=args.samples, inference=inference)
+    write_json(Path(args.out), result)
+    # Every inference asked for, each with its flat figures (the file has the nested ones too).
+    print(json.dumps({mode: {k: v for k, v in result[mode].items() if not isinstance(v, dict)}
+                      for mode in ("dense", "sparse") if mode in result}, indent=2))
+    return 0

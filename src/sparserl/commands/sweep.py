@@ -1,0 +1,32 @@
+"""`sparserl sweep`: accuracy, veto rate and KV saved at each KV budget, and the two regimes (`experiments/sweep.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import check_ranges, command, config_from_args, inference_arguments, int_list
+
+
+def _arguments(sub) -> None:
+    inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)")
+    sub.add_argument("--budgets", default="24,32,40,48,56,64,72,80,88,96", metavar="B,B,...",
+                     help="comma-separated KV budgets (default: 24,32,...,96)")
+    sub.add_argument("--sample-prompts", type=int, default=16,
+                     help="prompts for the sampled rollouts that measure veto and band rates (default: 16)")
+    sub.add_argument("--samples", type=int, default=8, help="samples per prompt for those rollouts (default: 8)")
+
+
+@command("sweep", "accuracy, veto rate and KV saved at each KV budget; names the two regimes", _arguments)
+def _sweep(args) -> int:
+    from ..experiments.sweep import run_sweep, sweep_table, write_sweep
+
+    check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
+                        "sample_prompts": (1, float("inf"), "prompts for the sampled rollouts, at least 1"),
+                        "samples": (1, float("inf"), "samples per prompt, at least 1")})
+
+    budgets = int_list(args.budgets, "budgets", minimum=1)
+    result = run_sweep(config_from_args(args), budgets, n=args.n, samples=args.samples,
+                       sample_prompts=args.sample_prompts)
+    write_sweep(result, Path(args.out))
+    print(sweep_table(result))
+    return 0

@@ -1,0 +1,36 @@
+"""`sparserl warmup`: the supervised warm start of the built-in model (`experiments/warmup.py`)."""
+
+from __future__ import annotations
+
+import json
+
+from .base import command
+
+
+def _arguments(sub) -> None:
+    import dataclasses
+    import typing
+
+    from ..config.schema import WarmupConfig, field_help
+
+    hints, helps = typing.get_type_hints(WarmupConfig), field_help(WarmupConfig)
+    for f in dataclasses.fields(WarmupConfig):
+        if f.default is dataclasses.MISSING:
+            continue  # the curriculum is set in code
+        sub.add_argument("--" + f.name.replace("_", "-"), dest=f"dc__{f.name}", default=None,
+                         metavar=hints[f.name].__name__.upper(), help=f"{helps.get(f.name, '')} (default: {f.default})")
+
+
+@command("warmup", "warm-start the built-in model by supervised learning", _arguments)
+def _warmup(args) -> int:
+    import typing
+
+    from ..config.schema import WarmupConfig, coerce
+    from ..experiments.warmup import warmup
+
+    hints = typing.get_type_hints(WarmupConfig)
+    values = {k[4:]: coerce(v, hints[k[4:]], k[4:]) for k, v in vars(args).items()
+              if k.startswith("dc__") and v is not None}
+    card = warmup(WarmupConfig(**values))
+    print(json.dumps({k: v for k, v in card.items() if k not in ("probes", "settings")}, indent=2))
+    return 0

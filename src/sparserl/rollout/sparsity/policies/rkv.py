@@ -1,0 +1,196 @@
+"""R-KV (Cai et al., 2025): redundancy-aware scoring for long reasoning, importance against redundancy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from ....errors import ConfigError
+from .base import (
+    KERNEL_HELP,
+    POOLING_HELP,
+    KVPolicy,
+    ScoringInputs,
+    host_reads_are_cheap,
+    option,
+    register,
+)
+from .snapkv import SnapKV
+
+
+@register
+@dataclass
+class RKV(KVPolicy):
+    """Redundancy-aware scoring for long reasoning (R-KV): lam * importance - (1 - lam) * redundancy.
+
+    importance: the SnapKV score divided by its sum over the real slots of its (row, KV head).
+    redundancy, per KV head, among the real slots: cosine similarity of the keys, diagonal zeroed;
+    a pair (i, j) with sim > threshold spares the more recent token, so sim[i, j] is set to 0
+    when column_i > column_j, and the older token i keeps it counted. Then redundancy_i is the mean
+    of the row sim[i, j] over the other real slots j, turned into a distribution by a softmax
+    over the real slots (as the reference does).
+
+    The row sums are kept between compressions of a rollout: each compression adds the rows and
+    columns of the slots appended since the last one and removes those of the evicted slots,
+    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix. A row sum is split
+    as sum_j sim[i, j] - sum_{j older, sim > threshold} sim[i, j]: the first term is linear in the
+    keys (one matrix-vector product against a sum of keys), so only the second needs the pairwise
+    products, and those are thresholded and masked in place in one reused buffer, in blocks of
+    `BLOCK` slots. On a CPU, allocating a fresh [N, Hkv, Δ, B] matrix per compression costs more in page
+    faults than the product itself.
+    """
+
+    name: ClassVar[str] = "rkv"
+    BLOCK: ClassVar[int] = 128
+    lam: float = option(0.1, "rkv: weight of importance against redundancy, in [0, 1]", name="kv_lambda")
+    similarity_threshold: float = option(0.5, "rkv: key cosine similarity above which the older twin is redundant")
+    kernel_size: int = option(7, KERNEL_HELP)
+    pooling: Literal["max", "mean"] = option("max", POOLING_HELP)
+
+    def __post_init__(self):
+        if not 0 <= self.lam <= 1:
+            raise ConfigError(f"kv_lambda must be in [0, 1] (the weight of importance), got {self.lam}")
+        if not -1 <= self.similarity_threshold <= 1:
+            raise ConfigError(f"kv_similarity_threshold is a cosine similarity, in [-1, 1]; got "
+                              f"{self.similarity_threshold}")
+        self.importance = SnapKV(kernel_size=self.kernel_size, pooling=self.pooling)
+        self.begin_rollout()
+
+    def begin_rollout(self) -> None:
+        self._row_sums: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L] for the slots scored last
+        self._unit: torch.Tensor | None = None  # the unit keys `score` made, for `before_keep`
+        self._buffer = torch.empty(0)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._row_sums = {layer: sums.index_select(0, rows) for layer, sums in self._row_sums.items()}
+
+    def score(self, inputs: ScoringInputs) -> torch.Tensor:
+        real, _ = inputs.per_kv_head()
+        all_real = inputs.all_real()
+        attention = self.importance.score(inputs)
+        if not all_real:
+            attention.masked_fill_(~real, 0.0)
+        importance = attention.div_(attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+        self._unit = _unit_keys(inputs.keys, real, all_real)
+        sums = self._update_row_sums(inputs.layer_idx, self._unit)
+        return importance.mul_(self.lam).sub_(self._distribution(sums, real, all_real).mul_(1.0 - self.lam))
+
+    def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """The redundancy distribution `[N, Hkv, L]` computed from scratch."""
+        unit = _unit_keys(keys, real)
+        return self._distribution(self._new_row_sums(unit, 0), real)
+
+    def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
+        """Remove the evicted slots' similarity from the kept rows, then keep those rows."""
+        sums, unit = self._row_sums[inputs.layer_idx], self._unit
+        n, heads, length = sums.shape
+        slots = slots.expand(n, heads, -1)
+        evicted_mask = torch.ones(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, False)
+        evicted = _true_positions(evicted_mask, length - slots.shape[-1])  # [N, Hkv, E], in slot order
+        gone = _gather_rows(unit, evicted)  # [N, Hkv, E, D], in slot order
+        removed = (unit @ gone.sum(dim=2)[..., None]).squeeze(-1)  # every evicted slot, thresholds aside
+        # Row i spares the evicted slots older than it: the first `older[i]` of them (both in slot order).
+        older = evicted_mask.long().cumsum(dim=-1) - evicted_mask.long()
+        zero = torch.zeros((), dtype=unit.dtype, device=unit.device)
+        for start in range(0, gone.shape[2], self.BLOCK):
+            block = gone[:, :, start:start + self.BLOCK]
+            width = block.shape[2]
+            sim = self._spared(unit, block)  # [N, Hkv, L, b]
+            # (older is in [0, E] already: with one block, the clamp changes nothing)
+            first_not_older = older if gone.shape[2] <= self.BLOCK else (older - start).clamp_(0, width)
+            # Row i zeroes its columns from first_not_older[i] on: row k of `suffixes` is that mask for
+            # first_not_older = k, so the [N, Hkv, L, b] mask is one row lookup (a broadcast comparison
+            # that size is ~30x slower on a CPU), and where(out=sim) zeroes in place faster than masked_fill_.
+            columns = torch.arange(width, device=sim.device)
+            suffixes = columns >= torch.arange(width + 1, device=sim.device)[:, None]  # [b + 1, b]
+            beyond = suffixes.index_select(0, first_not_older.reshape(-1)).view(sim.shape)
+            torch.where(beyond, zero, sim, out=sim)
+            removed -= sim.sum(dim=-1)
+        self._row_sums[inputs.layer_idx] = (sums - removed).gather(2, slots)
+
+    def _update_row_sums(self, layer: int, unit: torch.Tensor) -> torch.Tensor:
+        previous = self._row_sums.get(layer)
+        old = 0 if previous is None else previous.shape[2]
+        sums = torch.empty(unit.shape[:3], dtype=unit.dtype, device=unit.device)
+        if previous is not None:
+            # Old rows gain the appended slots, which are newer, so always counted.
+            torch.add(previous, (unit[:, :, :old] @ unit[:, :, old:].sum(dim=2)[..., None]).squeeze(-1),
+                      out=sums[:, :, :old])
+        self._new_row_sums(unit, old, out=sums[:, :, old:])
+        self._row_sums[layer] = sums
+        return sums
+
+    def _new_row_sums(self, unit: torch.Tensor, first_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Row sums of the slots first_row.. against all, without the diagonal and without older
+        near-duplicates. Slots are in column order (ScoringInputs), so "j is older than i" is j < i.
+        Written into `out` when given."""
+        rows = unit[:, :, first_row:]
+        diagonal = rows.square().sum(dim=-1)
+        sums = torch.sub((rows @ unit.sum(dim=2)[..., None]).squeeze(-1), diagonal, out=out)
+        for start in range(0, rows.shape[2], self.BLOCK):
+            stop = min(start + self.BLOCK, rows.shape[2])
+            sim = self._spared(rows[:, :, start:stop], unit)  # [N, Hkv, b, L]
+            # Only older slots spare: row r of the block is slot first_row + start + r.
+            _zero_upper(sim[..., first_row + start:])
+            sums[..., start:stop] -= sim.sum(dim=-1)
+        return sums
+
+    def _spared(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """`rows @ columns^T` ([N, Hkv, a, b]) where above the threshold, else 0, in the reused buffer."""
+        shape = (*rows.shape[:3], columns.shape[2])
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if self._buffer.numel() < size or self._buffer.device != rows.device:
+            self._buffer = torch.empty(size, dtype=torch.float32, device=rows.device)
+        sim = torch.matmul(rows, columns.transpose(-1, -2), out=self._buffer[:size].view(shape))
+        return F.threshold_(sim, self.similarity_threshold, 0.0)
+
+    @staticmethod
+    def _distribution(sums: torch.Tensor, real: torch.Tensor, all_real: bool = False) -> torch.Tensor:
+        mean_sim = sums / (real.sum(dim=-1, keepdim=True) - 1).clamp_min(1)
+        if not all_real:
+            mean_sim.masked_fill_(~real, float("-inf"))
+        return mean_sim.softmax(dim=-1).nan_to_num_(0.0)
+
+
+def _unit_keys(keys: torch.Tensor, real: torch.Tensor, all_real: bool = False) -> torch.Tensor:
+    """Unit-norm keys in float32, zero on padding, so padding adds no similarity (with every slot
+    real the multiplication by 1 is skipped: it changes no value)."""
+    keys = keys.float()
+    # F.normalize's own computation (x / max(||x||, 1e-12)), without its Python overhead.
+    unit = keys / torch.linalg.vector_norm(keys, 2, dim=-1, keepdim=True).clamp_min_(1e-12)
+    return unit if all_real else unit.mul_(real[..., None])
+
+
+def _gather_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor [N, H, L, D]` at slots `index [N, H, K]` (an index_select of whole rows of the flattened
+    tensor, a plain copy, faster on a CPU than a gather with the index expanded over D)."""
+    n, heads, length, dim = tensor.shape
+    if not tensor.is_contiguous():
+        return tensor.gather(2, index[..., None].expand(-1, -1, -1, dim))
+    offsets = torch.arange(0, n * heads * length, length, device=tensor.device).view(n, heads, 1)
+    return tensor.view(-1, dim).index_select(0, (index + offsets).view(-1)).view(n, heads, index.shape[-1], dim)
+
+
+def _zero_upper(matrices: torch.Tensor) -> None:
+    """`matrices.tril_(-1)` (zero where column >= row): on a large strided view as a where() in place,
+    which on a CPU is ~3x faster than tril_'s copy there and back; the same values either way."""
+    rows, cols = matrices.shape[-2:]
+    if matrices.numel() < 1 << 16:
+        matrices.tril_(-1)
+        return
+    upper = torch.arange(cols, device=matrices.device) >= torch.arange(rows, device=matrices.device)[:, None]
+    torch.where(upper, torch.zeros((), dtype=matrices.dtype, device=matrices.device), matrices, out=matrices)
+
+
+def _true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """`[..., count]` positions of the True entries of `mask [..., L]` along its last dim, ascending;
+    every row must hold exactly `count` of them."""
+    if not host_reads_are_cheap(mask):  # nonzero reads its size back; a stable sort does not
+        return mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[..., :count]
+    found = mask.nonzero()
+    if found.shape[0] != mask[..., 0].numel() * count:
+        raise ValueError(f"every row of the mask must hold exactly {count} True entries")
+    return found[:, -1].reshape(*mask.shape[:-1], count)

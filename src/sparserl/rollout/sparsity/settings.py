@@ -1,0 +1,27 @@
+"""The sparse sampler a config asks for: KV eviction or block-sparse attention, and the adaptive budget
+controller that `--kv-schedule adaptive` hands to training."""
+
+from __future__ import annotations
+
+from .block_sparse import ALWAYS_KEPT, BlockSparsity
+from .budgets import AdaptiveBudget
+from .eviction import KVCompression
+
+Sparsity = KVCompression | BlockSparsity
+
+
+def sparsity_from_config(rollout) -> Sparsity:
+    """What a `RolloutConfig` asks for (`rollout.sparsity`): KV eviction or block attention."""
+    if rollout.sparsity == "block":
+        return BlockSparsity.from_rollout_config(rollout)
+    return KVCompression.from_rollout_config(rollout)
+
+
+def adaptive_budget(rollout) -> AdaptiveBudget:
+    """The controller of `--kv-schedule adaptive`, from `kv_budget`: it moves an interval's worth of tokens at a
+    time and never below the window (eviction), or a page at a time and never below the always-kept pages (block)."""
+    if rollout.sparsity == "block":
+        return AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
+                              step=rollout.block_page_size, floor=ALWAYS_KEPT * rollout.block_page_size)
+    return AdaptiveBudget(rollout.kv_budget, rollout.alpha_bin_size, rollout.alpha_tau,
+                          step=rollout.kv_interval, floor=rollout.kv_window + 1)
