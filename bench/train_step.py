@@ -1,6 +1,18 @@
 """Time one GRPO training step of ours against TRL's `GRPOTrainer`, same model, task and batch, in one run.
 
     python bench/train_step.py --steps 3 --threads 2 [--model DIR] [--json FILE] [--profile]
+    python bench/train_step.py --shape smollm2 --model models/smollm2-135m --steps 3 --threads 2
+
+Ours runs twice, with each group's prompt computed once in the learner's forwards (`--share-prompts true`, the
+default) and without (`false`), unless `--share-prompts on|off` picks one.
+
+Shapes (`--shape`):
+- `builtin` (default): the built-in architecture, random init, pointer-walk prompts (36-56 tokens), 8 prompts x 8
+  samples x 256 new tokens;
+- `smollm2`: a SmolLM2-135M-Instruct directory (`--model`, from `sparserl model smollm2-135m`; vocabulary
+  49,152), 4 prompts x 6 samples x 48 new tokens after prompts of exactly 128 tokens (random lower-case words
+  that the tokenizer reads back as the same 128 tokens), rewarded by a cheap function of the completion's text
+  that differs between samples (the same function for both trainers), as the README's SmolLM2 config's shape.
 
 Both trainers get the same weights (the built-in architecture, randomly initialised with --seed and
 saved to a temp dir, or --model DIR), the same pointer_walk prompts and reward, the same batch
@@ -56,21 +68,86 @@ from common import contention_probe
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=("builtin", "smollm2"), default="builtin",
+                   help="builtin: 8 x 8 x 256 on the built-in architecture; smollm2: 4 x 6 x 48 after 128-token "
+                        "prompts on --model (see above)")
+    p.add_argument("--share-prompts", choices=("both", "on", "off"), default="both",
+                   help="run ours with shared-prompt forwards, without, or both (default)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per trainer (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per trainer first (default 1)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for both (default 2)")
     p.add_argument("--model", default=None, help="an HF model dir (with tokenizer); default: built-in arch, random init")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens per response, forced (default 256)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8; smollm2: 4)")
+    p.add_argument("--group", type=int, default=None, help="samples per prompt (default 8; smollm2: 6)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per response, forced (default 256; smollm2: 48)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="smollm2: tokens per prompt (default 128)")
     p.add_argument("--letters", type=int, default=26, help="pointer_walk difficulty: longest cycle (default 26)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both")
     p.add_argument("--profile", action="store_true", help="cProfile our timed steps and print the top functions")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--json", default=None, help="write the numbers to this JSON file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    defaults = {"builtin": (8, 8, 256), "smollm2": (4, 6, 48)}[args.shape]
+    args.prompts, args.group, args.new_tokens = (given if given is not None else default for given, default in
+                                                 zip((args.prompts, args.group, args.new_tokens), defaults))
+    if args.shape == "smollm2" and not args.model:
+        p.error("--shape smollm2 needs --model DIR (sparserl model smollm2-135m --out DIR)")
+    return args
+
+
+# ---------------------------------------------------------------------------------------- task
+# The smollm2 shape's reward: a function of the text that differs between samples, cheap to compute.
+REWARD_SOURCE = """
+def text_reward(completions, **kwargs):
+    return [(sum(map(ord, text)) % 7) / 6 for text in completions]
+"""
+
+
+def text_reward(completions, **kwargs):
+    return [(sum(map(ord, text)) % 7) / 6 for text in completions]
+
+
+def fixed_length_prompts(model_dir: Path, count: int, length: int, seed: int) -> list[str]:
+    """`count` texts of random lower-case words that the model's tokenizer reads as exactly `length` tokens."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    words = sorted(w for w in tokenizer.get_vocab() if w.startswith("Ġ") and w[1:].isalpha() and w[1:].islower()
+                   and len(w) > 3)
+    rng, prompts = random.Random(seed), []
+    while len(prompts) < count:
+        ids = [tokenizer.convert_tokens_to_ids(rng.choice(words)) for _ in range(length)]
+        text = tokenizer.decode(ids)
+        if tokenizer(text).input_ids == ids:
+            prompts.append(text)
+    return prompts
+
+
+def step_examples(args, model_dir: Path, root: Path) -> tuple[list[dict], dict]:
+    """The prompts of every step (distinct per step, the same for both trainers) as dataset rows, and the
+    settings that give ours the same task and reward."""
+    total = args.prompts * (args.warmup + args.steps)
+    if args.shape == "builtin":
+        from sparserl.tasks.pointer_walk import PointerWalkTask
+
+        examples = PointerWalkTask(letters=args.letters).examples(total, seed=args.seed, split="train")
+        return ([{"prompt": e.prompt, "demonstration": e.demonstration} for e in examples],
+                {"task": "pointer_walk", "difficulty": args.letters})
+    # Ours draws each step's prompts from the train split of a file (all of one length, so which ones it draws
+    # changes no cost): enough of them for that split to hold every step's.
+    prompts = fixed_length_prompts(model_dir, 2 * total + 8, args.prompt_tokens, args.seed)
+    data, reward = root / "prompts.jsonl", root / "text_reward.py"
+    data.write_text("".join(json.dumps({"prompt": p, "label": "0"}) + "\n" for p in prompts))
+    prompts = prompts[:total]
+    reward.write_text(REWARD_SOURCE)
+    # The task's own reward is scored beside (weight 0) for accuracy, as in every run of ours.
+    return ([{"prompt": p} for p in prompts],
+            {"task": "math_jsonl", "data_path": str(data), "reward_funcs": f"{reward}:text_reward",
+             "micro_batch_size": args.prompts * args.group})
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -95,21 +172,21 @@ def prepare_model_dir(args, root: Path) -> Path:
 class Ours:
     """Our trainer, built once; `step(k)` runs and times `GRPOTrainer.train_step(k)`."""
 
-    def __init__(self, args, model_dir: Path, root: Path):
+    def __init__(self, args, model_dir: Path, root: Path, task: dict, share_prompts: bool):
         from sparserl.config.schema import load_config
         from sparserl.train.trainer import GRPOTrainer
 
         self.args = args
+        self.share_prompts = share_prompts
         config = load_config(None, {
-            "model": str(model_dir), "dtype": "float32", "threads": args.threads,
-            "task": "pointer_walk", "difficulty": args.letters,
-            "max_new_tokens": args.new_tokens,
+            "model": str(model_dir), "dtype": "float32", "threads": args.threads, **task,
+            "share_prompts": share_prompts, "max_new_tokens": args.new_tokens,
             "mode": "dense", "prompts_per_step": args.prompts, "group_size": args.group,
             "minibatches": 1, "epochs": 1, "micro_batch_size": args.prompts * args.group,
             "kl_coef": 0.0, "entropy_coef": 0.0, "lr": args.lr, "grad_clip": 1.0, "weight_decay": 0.0,
             "loss_agg": "seq-mean-token-mean", "temperature": 1.0, "seed": args.seed,
             "steps": args.warmup + args.steps, "eval_every": 0, "eval_examples": 1, "log_with": "none",
-            "out": str(root / "ours"), "ignore_eos": True,
+            "out": str(root / f"ours-share-{share_prompts}"), "ignore_eos": True,
         })
         self.trainer = GRPOTrainer(config)
         self.profiler = cProfile.Profile() if args.profile else None
@@ -147,8 +224,9 @@ class Ours:
 
 
 # ---------------------------------------------------------------------------------------- TRL
-def run_trl(args, model_dir: Path, root: Path, after_step=None) -> dict:
-    """TRL's trainer for warmup + steps steps; `after_step(k)` runs after its step k, outside the timing."""
+def run_trl(args, model_dir: Path, root: Path, rows: list[dict], after_step=None) -> dict:
+    """TRL's trainer for warmup + steps steps on the dataset `rows`; `after_step(k)` runs after its step k,
+    outside the timing."""
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -160,14 +238,12 @@ def run_trl(args, model_dir: Path, root: Path, after_step=None) -> dict:
 
     from sparserl.tasks.pointer_walk import PointerWalkTask
 
-    task = PointerWalkTask(letters=args.letters)
     total_steps = args.warmup + args.steps
     # Distinct prompts for every step, like ours (which draws fresh examples per step).
-    examples = task.examples(args.prompts * total_steps, seed=args.seed, split="train")
-    dataset = Dataset.from_list([{"prompt": e.prompt, "demonstration": e.demonstration} for e in examples])
+    dataset = Dataset.from_list(rows)
 
     def pointer_walk_reward(prompts, completions, demonstration, **kwargs):
-        return task.reward(completions, demonstration=demonstration)
+        return PointerWalkTask(letters=args.letters).reward(completions, demonstration=demonstration)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -184,8 +260,9 @@ def run_trl(args, model_dir: Path, root: Path, after_step=None) -> dict:
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
         log_completions=False, disable_tqdm=True, dataloader_num_workers=0,
     )
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[pointer_walk_reward],
-                          args=config, train_dataset=dataset)
+    reward = pointer_walk_reward if args.shape == "builtin" else text_reward
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward], args=config,
+                          train_dataset=dataset)
 
     steps: list[dict] = []
     current: dict = {}
@@ -260,29 +337,41 @@ def profile_text(profiler: cProfile.Profile, top: int, steps: int) -> str:
     return buffer.getvalue()
 
 
+OURS = {"ours_shared": "sparserl, shared prompts", "ours_plain": "sparserl, every row's prompt"}
+
+
 def table(results: dict, args) -> str:
-    ours, trl = results.get("ours"), results.get("trl")
     n = args.prompts * args.group
-    lines = [f"GRPO step, {n} samples ({args.prompts} prompts x {args.group}) x {args.new_tokens} new tokens, "
-             f"float32, {args.threads} threads, median of {args.steps} step(s) after {args.warmup} warm-up",
+    prompt = f"{args.prompt_tokens}-token prompts" if args.shape == "smollm2" else "pointer-walk prompts"
+    lines = [f"GRPO step, {n} samples ({args.prompts} prompts x {args.group}) x {args.new_tokens} new tokens after "
+             f"{prompt}, {args.shape} shape, float32, {args.threads} threads, median of {args.steps} step(s) after "
+             f"{args.warmup} warm-up",
              "",
              "| trainer | step s (median) | min | each step s | tokens/step | tokens/s (median) "
              "| phases of the median step (s) |",
              "|---|---|---|---|---|---|---|"]
-    for name, r in (("sparserl", ours), ("TRL GRPOTrainer", trl)):
+    for key, name in (*OURS.items(), ("trl", "TRL GRPOTrainer")):
+        r = results.get(key)
         if r is None:
             continue
         phases = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in r["phases"].items())
         steps = " / ".join(f"{s:.2f}" for s in r["steps_s"])
         lines.append(f"| {name} | {r['step_s']:.2f} | {r['min_step_s']:.2f} | {steps} | {r['tokens_per_step']:.0f} | "
                      f"{r['tokens_per_s']:.0f} | {phases} |")
-    if ours and trl:
-        lines.append("")
-        lines.append(f"ratio ours/TRL step time: **{results['ratio']:.2f}x** median, "
-                     f"{ours['min_step_s'] / trl['min_step_s']:.2f}x min "
-                     f"(rollout ours/TRL generate: {ours['phases']['rollout_s'] / trl['phases']['generate_s']:.2f}x; "
-                     f"recompute+update ours/TRL update: "
-                     f"{(ours['phases']['recompute_s'] + ours['phases']['update_s']) / trl['phases']['update_s']:.2f}x)")
+    trl = results.get("trl")
+    lines.append("")
+    for key, name in OURS.items():
+        ours = results.get(key)
+        if ours and trl:
+            lines.append(f"{name} / TRL step time: **{ours['step_s'] / trl['step_s']:.2f}x** median, "
+                         f"{ours['min_step_s'] / trl['min_step_s']:.2f}x min (rollout / TRL generate: "
+                         f"{ours['phases']['rollout_s'] / trl['phases']['generate_s']:.2f}x; recompute+update / TRL "
+                         f"update: {(ours['phases']['recompute_s'] + ours['phases']['update_s']) / trl['phases']['update_s']:.2f}x)")
+    shared, plain = results.get("ours_shared"), results.get("ours_plain")
+    if shared and plain:
+        learner = lambda r: r["phases"]["recompute_s"] + r["phases"]["update_s"]  # noqa: E731
+        lines.append(f"shared / every row's prompt: step **{shared['step_s'] / plain['step_s']:.2f}x**, "
+                     f"recompute+update {learner(shared) / learner(plain):.2f}x")
     return "\n".join(lines)
 
 
@@ -303,32 +392,38 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
         root = Path(tmp)
         model_dir = prepare_model_dir(args, root)
-        ours = Ours(args, model_dir, root) if args.only in ("both", "ours") else None
+        rows, task = step_examples(args, model_dir, root)
+        variants = {"on": [True], "off": [False], "both": [True, False]}[args.share_prompts]
+        ours = {("ours_shared" if share else "ours_plain"): Ours(args, model_dir, root, task, share)
+                for share in variants} if args.only in ("both", "ours") else {}
+
+        def ours_step(step: int) -> None:
+            for trainer in ours.values():
+                trainer.step(step)
+
         if args.only in ("both", "trl"):
             import transformers
             import trl
             results["versions"].update(trl=trl.__version__, transformers=transformers.__version__)
             # Interleaved: after TRL's step k (outside its timer) ours runs its step k, so background
             # load on a shared machine falls on both alike.
-            results["trl"] = run_trl(args, model_dir, root, after_step=ours.step if ours else None)
+            results["trl"] = run_trl(args, model_dir, root, rows, after_step=ours_step if ours else None)
         else:
             for step in range(1, args.warmup + args.steps + 1):
-                ours.step(step)
-        if ours:
-            results["ours"] = ours.result()
+                ours_step(step)
+        for key, trainer in ours.items():
+            results[key] = trainer.result()
     results["probe_ms_end"] = contention_probe(args.threads)
     results["load_avg_end"] = os.getloadavg()
-    if "ours" in results and "trl" in results:
-        results["ratio"] = results["ours"]["step_s"] / results["trl"]["step_s"]
     print(table(results, args))
     print(f"\nload average (1/5/15 min) at start {tuple(round(x, 2) for x in results['load_avg_start'])}, "
           f"at end {tuple(round(x, 2) for x in results['load_avg_end'])}; "
           f"{os.cpu_count()} CPUs; torch threads {args.threads}")
     print(f"contention probe (one [64,128]x[128,384] linear, median ms; hundredths of a ms on free cores, ms when the cores are shared): "
           f"start {results['probe_ms_start']:.3f}, end {results['probe_ms_end']:.3f}")
-    if args.profile and "ours" in results:
-        print()
-        print(results["ours"]["profile"])
+    for key in OURS:
+        if args.profile and key in results:
+            print(f"\n{OURS[key]}:\n{results[key]['profile']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

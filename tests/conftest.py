@@ -40,6 +40,49 @@ def make_tiny_gemma3(layer_types: list[str], sliding_window: int):
     return Gemma3ForCausalLM(config).eval()
 
 
+# Tiny random models of every family the engine supports (tests/test_model_families.py, test_shared_prompt.py).
+FAMILY_PAD, FAMILY_BOS, FAMILY_EOS = 0, 1, 3
+# Larger than transformers' 0.02, so that attention is peaked: Gemma-2's caps then bite and masks matter.
+_FAMILY_INIT = 0.2
+_FAMILY_COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=_FAMILY_INIT,
+                      pad_token_id=FAMILY_PAD, bos_token_id=FAMILY_BOS, eos_token_id=FAMILY_EOS)
+# Sliding and full layers in turn, a scale other than 1/√D, and caps below the real 50 and 30 so that they bite.
+FAMILY_GEMMA2 = dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                     attn_logit_softcapping=10.0, final_logit_softcapping=5.0)
+# family -> config overrides (None: the Gemma-3 hybrid); the classes are transformers' `<family>Config` and
+# `<family>ForCausalLM`.
+FAMILIES = {
+    "Llama": {},
+    "Qwen2": {},
+    "Qwen3": dict(head_dim=16),
+    "Mistral": dict(head_dim=16),  # its default window of 4096 never binds here: see the -sliding case
+    "Phi3": {},
+    "Olmo2": {},
+    "Gemma2": FAMILY_GEMMA2,
+    "Gemma3": None,
+}
+# Mistral and Phi-3 with a window that binds (Phi-3-mini-4k's is 2047 tokens): transformers applies a
+# `sliding_window` without `layer_types` to every layer, and so must the cache and the replay.
+FAMILY_CASES = [pytest.param(family, FAMILIES[family], id=family) for family in FAMILIES] + [
+    pytest.param(family, dict(FAMILIES[family], sliding_window=6), id=f"{family}-sliding")
+    for family in ("Mistral", "Phi3")]
+
+
+def make_family(family: str, overrides: dict | None):
+    """The tiny random model, float64 except Gemma-2: transformers runs Gemma-2 with its eager attention only,
+    which softmaxes in float32, and there a float64 mask's minimum becomes -inf, so every left-padded row's
+    forward is NaN."""
+    import transformers
+
+    if overrides is None:
+        return make_tiny_gemma3(["sliding_attention", "full_attention"] * 2, sliding_window=5).double()
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**{**_FAMILY_COMMON, **overrides})
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    return model if family == "Gemma2" else model.double()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Llama + char tokenizer saved with save_pretrained."""
@@ -50,17 +93,17 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
-def replay_logprobs(model, batch, rows=None) -> torch.Tensor:
+def replay_logprobs(model, batch, rows=None, share_prompts: bool = False) -> torch.Tensor:
     """Sparse-sampler log-probs `[n, T]` of `batch`'s responses, rebuilt by one forward under the
     replay masks: what every exact-replay test compares with the recorded ones."""
-    from sparserl.model.forward import response_logprobs
-    from sparserl.rollout.sparsity.replay import replay_attention
+    from sparserl.model.forward import hidden_logprobs, response_hidden
+    from sparserl.rollout.sparsity.replay import sampler_masks
 
     rows = slice(None) if rows is None else rows
-    with replay_attention(model, batch, rows):
-        logprobs, _ = response_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                                        batch.prompt_ids.shape[1])
-    return logprobs
+    ids, width = batch.input_ids[rows], batch.prompt_ids.shape[1]
+    hidden = response_hidden(model, ids, batch.attention_mask[rows], width, share_prompts,
+                             masks=sampler_masks(model, batch, rows))
+    return hidden_logprobs(model, hidden, ids[:, width:])[0]
 
 
 def kill_part_way_then_resume(argv: list[str], out, steps: int, lines: int) -> int:

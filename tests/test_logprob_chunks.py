@@ -10,7 +10,8 @@ import torch
 from conftest import make_tiny_model
 
 from sparserl.model import forward
-from sparserl.model.forward import positions_from_mask, response_logprobs
+from sparserl.model.forward import response_logprobs
+from sparserl.model.structure import positions_from_mask
 
 SCRIPT = Path(__file__).parent / "data" / "large_vocab_step.py"
 RSS_BOUND_MIB = 1500

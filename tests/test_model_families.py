@@ -10,54 +10,15 @@ import random
 
 import pytest
 import torch
-import transformers
-from conftest import make_tiny_gemma3, replay_logprobs
+from conftest import FAMILY_BOS, FAMILY_CASES, FAMILY_EOS, FAMILY_GEMMA2, FAMILY_PAD, make_family, replay_logprobs
 
 from sparserl.model.forward import response_logprobs
 from sparserl.rollout.batch import SamplingConfig
 from sparserl.rollout.engine.engine import RolloutEngine
 from sparserl.rollout.sparsity.eviction import KVCompression
 
-PAD, BOS, EOS = 0, 1, 3
+PAD, BOS, EOS = FAMILY_PAD, FAMILY_BOS, FAMILY_EOS
 NEW_TOKENS = 24
-# Larger than transformers' 0.02, so that attention is peaked: Gemma-2's caps then bite (`test_the_caps_bite`)
-# and masks matter to every family.
-INIT = 0.2
-COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=INIT,
-              pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-# Sliding and full layers in turn, a scale other than 1/√D, and caps below the real 50 and 30 so that they bite.
-GEMMA2 = dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
-              attn_logit_softcapping=10.0, final_logit_softcapping=5.0)
-# family -> config overrides (None: conftest's Gemma-3 hybrid); the classes are transformers' `<family>Config`
-# and `<family>ForCausalLM`.
-FAMILIES = {
-    "Llama": {},
-    "Qwen2": {},
-    "Qwen3": dict(head_dim=16),
-    "Mistral": dict(head_dim=16),  # its default window of 4096 never binds here: see the -sliding case
-    "Phi3": {},
-    "Olmo2": {},
-    "Gemma2": GEMMA2,
-    "Gemma3": None,
-}
-# Mistral and Phi-3 with a window that binds (Phi-3-mini-4k's is 2047 tokens): transformers applies a
-# `sliding_window` without `layer_types` to every layer, and so must the cache and the replay.
-CASES = [pytest.param(family, FAMILIES[family], id=family) for family in FAMILIES] + [
-    pytest.param(family, dict(FAMILIES[family], sliding_window=6), id=f"{family}-sliding")
-    for family in ("Mistral", "Phi3")]
-
-
-def _build(family: str, overrides: dict | None):
-    """The tiny random model, float64 except Gemma-2: transformers runs Gemma-2 with its eager attention only,
-    which softmaxes in float32, and there a float64 mask's minimum becomes -inf, so every left-padded row's
-    forward is NaN."""
-    if overrides is None:
-        return make_tiny_gemma3(["sliding_attention", "full_attention"] * 2, sliding_window=5).double()
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(**{**COMMON, **overrides})
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    return model if family == "Gemma2" else model.double()
 
 
 def _prompts() -> list[list[int]]:
@@ -107,9 +68,9 @@ def _rkv_replays_exactly(model) -> None:
     assert (dense - batch.sampler_logprobs).abs()[mask].max() > 1e-2  # eviction did change the sampler
 
 
-@pytest.mark.parametrize(("family", "overrides"), CASES)
+@pytest.mark.parametrize(("family", "overrides"), FAMILY_CASES)
 def test_a_family_samples_as_transformers_and_replays_exactly(family, overrides):
-    model = _build(family, overrides)
+    model = make_family(family, overrides)
     _greedy_is_generate(model)
     _sampler_is_teacher_forcing(model)
     _rkv_replays_exactly(model)
@@ -122,7 +83,7 @@ def test_the_caps_bite():
 
     def logprobs(**caps):
         with torch.no_grad():
-            return _build("Gemma2", {**GEMMA2, **caps})(ids).logits.log_softmax(-1)
+            return make_family("Gemma2", {**FAMILY_GEMMA2, **caps})(ids).logits.log_softmax(-1)
 
     both, final_only = logprobs(), logprobs(attn_logit_softcapping=None)
     neither = logprobs(attn_logit_softcapping=None, final_logit_softcapping=None)

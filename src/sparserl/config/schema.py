@@ -114,6 +114,7 @@ class TrainConfig:
     warn_rejected_frac: float = 0.5  # warn once when corrections reject more than this fraction of tokens
     max_rejected_steps: int = 3  # stop with an error after this many consecutive steps whose every token was rejected
     micro_batch_size: int = 64  # rows per forward in recompute and update; bounds memory
+    share_prompts: bool = True  # the learner's forwards (pi_old, pi_ref, the update, alpha, DistillSparse) compute each group's prompt once for its G responses (Prefix Grouper: the same log-probs and gradients); false: every row's prompt again
     distill_sparse: bool = False  # DistillSparse: a LoRA active only in the sparse sampler, trained toward the dense policy
     distill_rank: int = 8  # DistillSparse LoRA rank
     distill_alpha: float = 16.0  # DistillSparse LoRA alpha (scale alpha / rank)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..model.forward import positions_from_mask
+from ..model.structure import positions_from_mask
 from ..rollout.batch import KVStats, SamplingConfig
 from ..rollout.dispatch.scheduler import schedule_rollouts
 from ..rollout.engine.engine import RolloutEngine

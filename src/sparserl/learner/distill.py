@@ -29,7 +29,7 @@ from ..model.forward import (
 )
 from ..rollout.adapter import AdapterConfig, SamplerAdapter, adapter_config
 from ..rollout.batch import RolloutBatch
-from ..rollout.sparsity.replay import replay_attention
+from ..rollout.sparsity.replay import sampler_masks
 from .grpo import ppo_loss, token_coefficients
 
 
@@ -42,14 +42,15 @@ class DistillConfig:
     grad_clip: float = 1.0
     loss_agg: str = "seq-mean-token-mean"
     temperature: float = 1.0  # the sampler's: its recorded log-probs are of logits / temperature
+    share_prompts: bool = False  # forwards compute each group's prompt once (the same values and gradients)
 
 
 def distill_config(train, temperature: float = 1.0) -> DistillConfig:
-    """The `distill_*` fields of a `TrainConfig`, with its PPO clip, grad clip and loss aggregation,
-    and the rollouts' sampling `temperature`."""
+    """The `distill_*` fields of a `TrainConfig`, with its PPO clip, grad clip, loss aggregation and shared
+    prompts, and the rollouts' sampling `temperature`."""
     return DistillConfig(adapter=adapter_config(train), lr=train.distill_lr, kl_coef=train.distill_kl_coef,
                          clip_eps=train.clip_eps, grad_clip=train.grad_clip, loss_agg=train.loss_agg,
-                         temperature=temperature)
+                         temperature=temperature, share_prompts=train.share_prompts)
 
 
 class DistillTrainer:
@@ -102,12 +103,12 @@ class DistillTrainer:
         for rows in micro_batches(len(batch), micro_batch_size):
             ids, mask = batch.input_ids[rows], batch.attention_mask[rows]
             with torch.no_grad():  # the dense side: the updated policy, adapter off
-                dense_hidden = response_hidden(self.model, ids, mask, width)
+                dense_hidden = response_hidden(self.model, ids, mask, width, cfg.share_prompts)
             # Everything of the sparse side, backward included, with the adapter on: the chunked
             # head recomputes its pieces during the backward pass.
             with self.adapter.active():
-                with replay_attention(self.model, batch, rows):
-                    sparse_hidden = response_hidden(self.model, ids, mask, width)
+                sparse_hidden = response_hidden(self.model, ids, mask, width, cfg.share_prompts,
+                                                masks=sampler_masks(self.model, batch, rows))
                 logp_sparse, kl, logp_dense = map_head_chunks(self.model, sparse_hidden, self._distill_terms,
                                                               dense_hidden, ids[:, width:],
                                                               temperature=logit_scale(cfg.temperature))

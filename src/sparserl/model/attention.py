@@ -103,6 +103,20 @@ def _explicit_attention(grouped: torch.Tensor, key: torch.Tensor, value: torch.T
 AttentionInterface.register(IMPLEMENTATION_NAME, attend)
 
 
+class FixedMasks:
+    """A mask provider of masks known in advance: per layer, bool `[N, Hm, Q, K]` (the replay of a sparse
+    sampler, the parts of a shared-prompt forward)."""
+
+    def __init__(self, masks: list[torch.Tensor]):
+        self.masks = masks
+
+    def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
+        return self.masks[layer_idx]
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def masked_attention(model: torch.nn.Module, provider: MaskProvider):
     """Route the model's attention through `attend` with `provider` for the duration."""

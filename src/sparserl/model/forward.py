@@ -2,7 +2,9 @@
 
 One parallel forward over prompt+response with full attention, in the engine's column layout
 (left-padded prompt of width P, right-padded response of width T). Positions count real tokens
-only, exactly as the sampler assigned them.
+only, exactly as the sampler assigned them. With `share_prompts` each group's prompt is computed once
+(`shared_prompt.py`), with the same outputs and gradients; with `masks` each query sees what a sparse sampler
+saw (its exact replay).
 """
 
 from __future__ import annotations
@@ -11,28 +13,33 @@ from collections.abc import Iterator
 
 import torch
 
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids `[N, S]` that count real tokens only (left padding gets 0)."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
+from .attention import FixedMasks, masked_attention
+from .shared_prompt import prompt_groups, shared_prompt_hidden
+from .structure import positions_from_mask, text_config
 
 # Bytes of float32 logits one chunk may hold: positions are processed so many at a time that
 # [rows, chunk, V] stays under it (one chunk for a small vocabulary; 16 positions of 8 rows at V = 128k).
 LOGIT_CHUNK_BYTES = 64 * 2**20
 
 
-def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
-    """Final hidden states `[N, T, H]` at the positions that predict the response tokens."""
-    outputs = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=positions_from_mask(attention_mask), use_cache=False)
+def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                    share_prompts: bool = False, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Final hidden states `[N, T, H]` at the positions that predict the response tokens.
+
+    `share_prompts`: runs of rows with the same prompt compute it once (when some run holds two rows or more).
+    `masks`: per layer, bool `[N, Hs, S, S]`, what each query sees (a sparse sampler's replay); else the plain
+    causal forward.
+    """
+    if share_prompts and len(prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])[1]) < \
+            len(input_ids):
+        return shared_prompt_hidden(model, input_ids, attention_mask, prompt_width, masks)
+    decoder, positions = model.get_decoder(), positions_from_mask(attention_mask)
+    if masks is None:
+        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    else:
+        with masked_attention(model, FixedMasks(masks)):
+            outputs = decoder(input_ids=input_ids, position_ids=positions, use_cache=False)
     return outputs.last_hidden_state[:, prompt_width - 1:-1]
-
-
-def text_config(model):
-    """The language model's own config: a multimodal model's text part, else the model's config itself."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -78,15 +85,22 @@ def logit_scale(temperature: float) -> float:
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                      with_entropy: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, temperature: float = 1.0, share_prompts: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[N, T]` of `input_ids[:, P:]` given everything before, under the distribution a
     sampler at `temperature` draws from (`logit_scale`); entropy `[N, T]` of it if asked.
 
     input_ids, attention_mask: `[N, P + T]`. Gradients flow if the caller has them enabled. The
     vocabulary is never materialised for the whole batch (`map_head_chunks`).
     """
-    hidden = response_hidden(model, input_ids, attention_mask, prompt_width)
-    targets = input_ids[:, prompt_width:]
+    hidden = response_hidden(model, input_ids, attention_mask, prompt_width, share_prompts)
+    return hidden_logprobs(model, hidden, input_ids[:, prompt_width:], with_entropy, temperature)
+
+
+def hidden_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs `[N, T]` of `targets [N, T]` from the final hidden states `[N, T, H]` that predict them (through
+    the LM head, at `temperature`), and the entropy `[N, T]` of each distribution if asked."""
 
     def per_token(log_probs, target):
         token = log_probs.gather(2, target[..., None]).squeeze(-1)
@@ -104,9 +118,17 @@ def micro_batches(rows: int, size: int) -> Iterator[slice]:
 
 
 @torch.no_grad()
+def batched_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                   micro_batch_size: int, share_prompts: bool = False) -> torch.Tensor:
+    """`response_hidden` without gradients, in micro-batches to bound memory; `[N, T, H]`."""
+    return torch.cat([response_hidden(model, input_ids[rows], attention_mask[rows], prompt_width, share_prompts)
+                      for rows in micro_batches(input_ids.shape[0], micro_batch_size)])
+
+
+@torch.no_grad()
 def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                     micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
+                     micro_batch_size: int, temperature: float = 1.0, share_prompts: bool = False) -> torch.Tensor:
     """`response_logprobs` without gradients, in micro-batches to bound memory; `[N, T]`."""
-    parts = [response_logprobs(model, input_ids[s], attention_mask[s], prompt_width, temperature=temperature)[0]
-             for s in micro_batches(input_ids.shape[0], micro_batch_size)]
-    return torch.cat(parts, dim=0)
+    return torch.cat([response_logprobs(model, input_ids[rows], attention_mask[rows], prompt_width,
+                                        temperature=temperature, share_prompts=share_prompts)[0]
+                      for rows in micro_batches(input_ids.shape[0], micro_batch_size)])

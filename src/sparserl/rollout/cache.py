@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..model.forward import text_config
+from ..model.structure import layer_types, layer_windows, text_config
 
 
 class BufferLayer(CacheLayerMixin):
@@ -284,19 +284,3 @@ def build_cache(model, batch: int, capacities: list[int], per_head_selection: bo
             page_size=page_size, is_sliding=sliding,
         ))
     return BufferCache(layers)
-
-
-def layer_types(config) -> list[str]:
-    """Each decoder layer's kind: the config's `layer_types`, or full attention throughout."""
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return list(kinds[: config.num_hidden_layers])
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each decoder layer's attention window (None: none), as transformers masks them: the sliding layers' of
-    `layer_types` where the config has them (Gemma-2/3, Qwen2), else every layer's when it sets
-    `sliding_window` (Mistral, Phi-3, Mixtral, Starcoder2)."""
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "layer_types", None) is None:
-        return [window] * config.num_hidden_layers
-    return [window if kind == "sliding_attention" else None for kind in layer_types(config)]

@@ -29,14 +29,15 @@ from ..errors import UserError
 from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections, rejection_by_length
 from ..learner.distill import DistillTrainer, distill_config
-from ..learner.grpo import group_advantages, ppo_loss, token_coefficients
+from ..learner.grpo import group_advantages
+from ..learner.update import ppo_update
 from ..model.clock import now
-from ..model.forward import batched_logprobs, micro_batches, response_logprobs
+from ..model.forward import batched_hidden, batched_logprobs, hidden_logprobs, micro_batches, response_hidden
 from ..model.loading import load_policy, resolve_device, sampling_generator
 from ..model.threads import set_threads
 from ..rewards.runner import RewardRunner
 from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
-from ..rollout.batch import RolloutBatch, SamplingConfig
+from ..rollout.batch import SamplingConfig
 from ..rollout.dispatch.backends import make_rollouts
 from ..rollout.dispatch.scheduler import RowLimits
 from ..rollout.dispatch.shards import concat_rollouts, plan_shards, rollout_metrics
@@ -318,30 +319,36 @@ class GRPOTrainer:
         data.correct = torch.tensor([is_correct(s) for s in self.reward.last_scores["task"]], device=self.device)
 
     def _recompute(self, data: StepBatch) -> None:
-        """π_old (the dense policy before the update), the reference model's log-probs, and α."""
+        """π_old (the dense policy before the update), the reference model's log-probs, and α, whose dense side is
+        π_old's own forward."""
         cfg, batch = self.config, data.batch
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
-        width = batch.prompt_ids.shape[1]
-        mb = cfg.train.micro_batch_size
+        width, targets = batch.prompt_ids.shape[1], batch.response_ids
+        mb, share = cfg.train.micro_batch_size, cfg.train.share_prompts
+        temperature = cfg.rollout.temperature
         if cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb:
             # One optimizer step from one forward: that forward, at the current weights, is the dense
             # recompute of π_old, so it is done once with gradients and reused (as TRL does).
             self.model.train()
-            data.fused_forward = response_logprobs(self.model, input_ids, attention_mask, width,
-                                                   with_entropy=cfg.train.entropy_coef > 0,
-                                                   temperature=cfg.rollout.temperature)
-            data.logp_old = data.fused_forward[0].detach()
+            hidden = response_hidden(self.model, input_ids, attention_mask, width, share)
+            data.fused_forward = hidden_logprobs(self.model, hidden, targets, with_entropy=cfg.train.entropy_coef > 0,
+                                                 temperature=temperature)
+            data.logp_old, dense_hidden = data.fused_forward[0].detach(), hidden.detach()
         else:
-            data.logp_old = batched_logprobs(self.model, input_ids, attention_mask, width, mb, cfg.rollout.temperature)
+            dense_hidden = batched_hidden(self.model, input_ids, attention_mask, width, mb, share)
+            with torch.no_grad():
+                data.logp_old = torch.cat([hidden_logprobs(self.model, dense_hidden[rows], targets[rows],
+                                                           temperature=temperature)[0]
+                                           for rows in micro_batches(len(batch), mb)])
         if self.reference is not None:
-            data.logp_ref = batched_logprobs(self.reference, input_ids, attention_mask, width, mb,
-                                             cfg.rollout.temperature)
+            data.logp_ref = batched_logprobs(self.reference, input_ids, attention_mask, width, mb, temperature, share)
         # α needs the sampler's whole distributions and the pre-update weights.
         every = cfg.rollout.alpha_every
         if self.sparse and every and (data.step - 1) % every == 0:
-            data.acceptance = rollout_alpha_metrics(self.model, data.rollouts.shards, cfg.rollout.temperature,
+            data.acceptance = rollout_alpha_metrics(self.model, data.rollouts.shards, temperature,
                                                     cfg.rollout.alpha_bin_size, micro_batch_size=mb,
-                                                    sampler_context=self.sampler)
+                                                    sampler_context=self.sampler, share_prompts=share,
+                                                    dense_hidden=dense_hidden)
 
     def _correct(self, data: StepBatch) -> None:
         """The mode's corrections, what Sparse-RL's would flag, and the group advantages."""
@@ -390,8 +397,9 @@ class GRPOTrainer:
 
     def _update_policy(self, data: StepBatch) -> dict[str, float]:
         corrections = data.corrections
-        update = self._update(data.batch, data.logp_old, data.logp_ref, data.advantages, corrections.weights,
-                              corrections.keep_mask, data.generator, data.fused_forward)
+        update = ppo_update(self.model, self.optimizer, data.batch, data.logp_old, data.logp_ref, data.advantages,
+                            corrections.weights, corrections.keep_mask, data.generator, self.config.train,
+                            self.config.rollout.temperature, data.fused_forward)
         for hook in self.hooks:
             update.update(self._apply(hook.after_update(self.hook_view, data)))
         return update
@@ -410,47 +418,6 @@ class GRPOTrainer:
             **walk_metrics(self.task, data.texts, data.examples, self.config.rollout.group_size),
             **data.acceptance,
         }
-
-    def _update(self, batch: RolloutBatch, logp_old, logp_ref, advantages, weights, keep, generator,
-                first_forward=None) -> dict:
-        """PPO epochs over shuffled minibatches; `first_forward` is the already-run forward of a fused step."""
-        cfg = self.config.train
-        self.model.train()
-        rows = len(batch)
-        size = rows // cfg.minibatches
-        input_ids, attention_mask = batch.input_ids, batch.attention_mask
-        width = batch.prompt_ids.shape[1]
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
-        grad_norms, steps = [], 0
-        for _ in range(cfg.epochs):
-            order = torch.arange(rows) if first_forward is not None else \
-                torch.randperm(rows, generator=generator, device=generator.device).cpu()
-            for start in range(0, rows, size):
-                index = order[start:start + size]
-                coefficients = token_coefficients(keep[index], cfg.loss_agg)
-                if float(coefficients.sum()) == 0:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                for part in micro_batches(len(index), cfg.micro_batch_size):
-                    rows_part = index[part]
-                    logp_new, entropy = first_forward if first_forward is not None else response_logprobs(
-                        self.model, input_ids[rows_part], attention_mask[rows_part], width,
-                        with_entropy=cfg.entropy_coef > 0, temperature=self.config.rollout.temperature)
-                    terms = ppo_loss(logp_new, logp_old[rows_part], advantages[rows_part], weights[rows_part],
-                                     coefficients[part], cfg.clip_eps, cfg.clip_eps_high,
-                                     cfg.kl_coef, None if logp_ref is None else logp_ref[rows_part],
-                                     cfg.entropy_coef, entropy)
-                    terms.loss.backward()
-                    share = len(rows_part) / len(index)
-                    for key in totals:
-                        value = float(terms.loss.detach()) if key == "loss" else getattr(terms, key)
-                        totals[key] += value if key in ("loss", "pg_loss", "kl", "entropy") else value * share
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
-                self.optimizer.step()
-                steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        averaged = {k: v / max(steps, 1) for k, v in totals.items()}
-        return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
 
     # ------------------------------------------------------------------ schedules
     def step_sampler(self) -> SamplerSpec:

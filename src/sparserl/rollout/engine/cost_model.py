@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from ...model.clock import now
-from ...model.forward import text_config
+from ...model.structure import text_config
 from ..sparsity.budgets import BudgetSchedule
 from ..sparsity.eviction import KVCompression
 

@@ -15,7 +15,6 @@ Block-sparse rollouts keep every row to the end and admit no one (their page rec
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from ...model.attention import masked_attention
 from ...model.clock import Stopwatch
-from ...model.forward import positions_from_mask
+from ...model.structure import cache_keyword, positions_from_mask
 from ..batch import EvictionEvent, KVStats
 from ..cache import BufferCache, build_cache
 from ..sparsity.block_sparse import BlockSelector, BlockSparsity
@@ -131,12 +130,6 @@ def _cat_padded(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
     """`[A + k, H, max(L1, L2)]` of `mine [A, H, L1]` and `theirs [k, H, L2]`, zeros where one is shorter."""
     length = max(mine.shape[2], theirs.shape[2])
     return torch.cat([F.pad(t, (0, length - t.shape[2])) for t in (mine, theirs)])
-
-
-def cache_keyword(model) -> str:
-    """The name under which the model's forward takes the KV cache: transformers 5.24 renamed
-    `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier 5.x know only the old."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass

@@ -38,11 +38,11 @@ import torch
 
 from ...model.attention import masked_attention
 from ...model.clock import now
-from ...model.forward import logit_scale, positions_from_mask
+from ...model.forward import logit_scale
+from ...model.structure import cache_keyword, positions_from_mask
 from ..acceptance import acceptance_rate
 from ..batch import KVStats, RolloutBatch, SamplingConfig, left_pad
 from ..cache import BufferCache, build_cache
-from ..engine.decode_loop import cache_keyword
 from ..engine.engine import RolloutEngine, decoder_layers
 from ..engine.token_draws import (
     draw_tokens,

@@ -1,0 +1,63 @@
+"""The policy's update on one step's batch: PPO epochs over shuffled minibatches, each minibatch's loss
+accumulated over micro-batches before one optimizer step (the loss is `learner.grpo.ppo_loss`).
+
+A minibatch's rows are taken in batch order, so a group's rows sit next to each other and a forward that shares
+each group's prompt (`--share-prompts`) computes it once per micro-batch; the loss is a sum over rows, so the order
+changes no value beyond float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.forward import micro_batches, response_logprobs
+from .grpo import ppo_loss, token_coefficients
+
+
+def ppo_update(model, optimizer: torch.optim.Optimizer, batch, logp_old: torch.Tensor, logp_ref: torch.Tensor | None,
+               advantages: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, generator: torch.Generator,
+               train, temperature: float,
+               first_forward: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> dict[str, float]:
+    """`train.epochs` passes over `batch` (a `RolloutBatch`) in `train.minibatches` shuffled minibatches.
+
+    logp_old, weights, keep: `[B, T]`; logp_ref: `[B, T]` or None; advantages: `[B]`. `first_forward`: the
+    update's own forward (log-probs and entropy `[B, T]`, with gradients) when one optimizer step on the whole
+    batch made it π_old's too. `train`: a `TrainConfig`. Returns the averaged loss terms, the mean gradient norm
+    and the optimizer steps taken (a minibatch with nothing kept takes none).
+    """
+    model.train()
+    rows = len(batch)
+    size = rows // train.minibatches
+    input_ids, attention_mask = batch.input_ids, batch.attention_mask
+    width = batch.prompt_ids.shape[1]
+    totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0}
+    grad_norms, steps = [], 0
+    for _ in range(train.epochs):
+        order = torch.arange(rows) if first_forward is not None else \
+            torch.randperm(rows, generator=generator, device=generator.device).cpu()
+        for start in range(0, rows, size):
+            index = order[start:start + size].sort().values  # batch order: a group's rows side by side
+            coefficients = token_coefficients(keep[index], train.loss_agg)
+            if float(coefficients.sum()) == 0:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            for part in micro_batches(len(index), train.micro_batch_size):
+                rows_part = index[part]
+                logp_new, entropy = first_forward if first_forward is not None else response_logprobs(
+                    model, input_ids[rows_part], attention_mask[rows_part], width,
+                    with_entropy=train.entropy_coef > 0, temperature=temperature, share_prompts=train.share_prompts)
+                terms = ppo_loss(logp_new, logp_old[rows_part], advantages[rows_part], weights[rows_part],
+                                 coefficients[part], train.clip_eps, train.clip_eps_high,
+                                 train.kl_coef, None if logp_ref is None else logp_ref[rows_part],
+                                 train.entropy_coef, entropy)
+                terms.loss.backward()
+                share = len(rows_part) / len(index)
+                for key in totals:
+                    value = float(terms.loss.detach()) if key == "loss" else getattr(terms, key)
+                    totals[key] += value if key in ("loss", "pg_loss", "kl", "entropy") else value * share
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)))
+            optimizer.step()
+            steps += 1
+    optimizer.zero_grad(set_to_none=True)
+    averaged = {k: v / max(steps, 1) for k, v in totals.items()}
+    return {**averaged, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": steps}
