@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "sparserl"
 # Each layer may import its own and any layer listed after it.
 LAYERS = [
     {"cli", "commands"},
-    {"experiments", "report", "interop"},
+    {"experiments", "report", "interop", "integrations"},
     {"train"},
     {"learner"},
     {"config"},

@@ -311,3 +311,29 @@ def test_no_new_tokens_gives_empty_responses(tiny64):
     model, tokenizer = tiny64
     batch = RolloutEngine(model).generate(_prompts(3), _sampling(tokenizer, new=0), seeds=_seeds(3))
     assert batch.response_ids.shape == (3, 0)
+
+
+@pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o", "block"])
+def test_a_groups_prompt_is_prefilled_once_and_samples_as_its_rows_alone(tiny64, sparsity):
+    """Rows with the same prompt (a GRPO group) share one prefill; each samples what it samples alone (one row in
+    flight: no group to share with), and the cache holds every row."""
+    model, tokenizer = tiny64
+    compression = None if sparsity == "dense" else \
+        BlockSparsity(budget=6, page_size=2, dense_layers=0) if sparsity == "block" else _compression(sparsity)
+    engine = RolloutEngine(model, compression, record_evictions=True)
+    prompts = [p for p, size in zip(_prompts(3, seed=4), (3, 1, 4)) for _ in range(size)]
+    grouped = engine.generate(prompts, _sampling(tokenizer), seeds=_seeds(len(prompts)))
+    alone = RolloutEngine(model, compression, record_evictions=True, release_finished_rows=False)
+    singles = [alone.generate([p], _sampling(tokenizer), seeds=[s]) for p, s in zip(prompts, _seeds(len(prompts)))]
+    for row, single in enumerate(singles):
+        length = int(single.response_lengths[0])
+        assert grouped.response_lengths[row] == length
+        assert torch.equal(grouped.response_ids[row, :length], single.response_ids[0, :length])
+        assert (grouped.sampler_logprobs[row, :length] - single.sampler_logprobs[0, :length]).abs().max() <= 1e-6
+    # The peak counts the cache of every row, not the one prefill a group shared: with one new token, nothing
+    # grows after the prefill, and the rows hold at least the padded prompt each.
+    first = engine.generate(prompts, _sampling(tokenizer, new=1), seeds=_seeds(len(prompts)))
+    config = model.config
+    per_slot = config.num_hidden_layers * 2 * config.num_key_value_heads * (config.hidden_size //
+                                                                             config.num_attention_heads) * 8
+    assert first.kv.kv_peak_bytes >= len(prompts) * WIDTH * per_slot

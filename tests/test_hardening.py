@@ -135,6 +135,16 @@ def test_a_damaged_latest_checkpoint_falls_back_to_an_intact_one(tiny_model_dir,
         assert main(_train(tiny_model_dir, out, 4, "--resume")) == 0
     assert _steps(out) == [0, 1, 2, 3, 4]  # steps 3 and 4 were redone from step 2, once each
     assert (out / "checkpoints" / "step_000004" / "manifest.json").exists()
+    # The texts behind the numbers, each step's once: 2 prompts x 4 rollouts a step, 4 held-out answers an eval.
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    train = [s for s in samples if s["kind"] == "train"]
+    assert [s["step"] for s in train] == [step for step in (1, 2, 3, 4) for _ in range(8)]
+    assert all(s["completion"] and s["prompt_index"] in (0, 1) for s in train)
+    metrics = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    for step in (0, 2, 4):
+        answers = [s for s in samples if s["kind"] == "eval_dense" and s["step"] == step]
+        assert len(answers) == 4
+        assert sum(a["correct"] for a in answers) / 4 == metrics[step]["eval_accuracy_dense"]
 
 
 def test_a_torn_metrics_line_and_an_early_kill_leave_each_step_once(tiny_model_dir, tmp_path):

@@ -282,3 +282,31 @@ def test_window_draft_reports_the_share_of_real_keys_it_reads():
         seeds=[1, 2])
     expected = sum(32 / length for length in range(40, 440)) / 400
     assert batch.speculation.attended_frac == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("draft", [SPARSE_DRAFT, WindowDraft(budget=8, sink=2)], ids=["block", "window"])
+def test_a_groups_prompt_is_prefilled_once_and_samples_as_its_own_prefill_would(model, monkeypatch, draft):
+    """Rows with the same prompt (a GRPO group) share one prefill: the prefill forward holds one row per group,
+    and the batch draws what it draws when every row is prefilled on its own, token for token. (Not a row
+    alone: the draft's pages and sink are cache slots, which a batch's left padding moves.)"""
+    prompts = [p[: 10 + 3 * i] for i, p in enumerate(_prompts(3, seed=6))]
+    grouped_prompts = [p for p, size in zip(prompts, (3, 1, 2)) for _ in range(size)]
+    seeds = list(range(40, 40 + len(grouped_prompts)))
+    sampling = SamplingConfig(max_new_tokens=20, temperature=1.0, eos_token_id=3)
+    prefill_rows, forward = [], type(model).forward
+
+    def counting(self, input_ids=None, **kwargs):
+        if input_ids.shape[1] > 1 and not prefill_rows:
+            prefill_rows.append(input_ids.shape[0])
+        return forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    grouped = SpeculativeSampler(model, draft, draft_tokens=3).generate(grouped_prompts, sampling, seeds=seeds)
+    assert prefill_rows == [3]
+    monkeypatch.setattr(type(model), "forward", forward)
+    monkeypatch.setattr(speculative, "prompt_groups", lambda ids, mask: (torch.arange(len(ids)),) * 2)
+    separate = SpeculativeSampler(model, draft, draft_tokens=3).generate(grouped_prompts, sampling, seeds=seeds)
+    assert torch.equal(grouped.response_lengths, separate.response_lengths)
+    assert torch.equal(grouped.response_ids, separate.response_ids)
+    torch.testing.assert_close(grouped.sampler_logprobs, separate.sampler_logprobs, atol=1e-9, rtol=0)
+    assert grouped.speculation.acceptance_rate == separate.speculation.acceptance_rate < 1

@@ -8,12 +8,17 @@ loss by `weights` and mask it with `keep_mask`. docs/interop.md has a runnable e
 - TRL `GRPOTrainer` (the dict `_generate_and_score_completions` returns): `old_per_token_logps`,
   `sampling_per_token_logps`, `completion_mask`. When TRL skips π_old (one optimizer step per
   batch), pass the current `per_token_logps`, detached, as `old`.
-- verl (`DataProto.batch`): `old_log_probs`, `rollout_log_probs`, `response_mask`.
+- verl (`DataProto.batch`): `old_log_probs`, `rollout_log_probs`, `response_mask`; and
+  `verl_rollout_correction`: a preset as verl's own `algorithm.rollout_correction` settings, with how exact.
+
+Inside TRL's trainer itself, `sparserl.integrations.trl` samples and corrects (docs/interop.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -49,3 +54,74 @@ def corrections_from_verl(batch: Mapping, correction: CorrectionConfig | str = "
     """Corrections for a verl batch (`DataProto.batch`, or any mapping with its keys); [B, T] tensors."""
     return compute_corrections(_take(batch, "old_log_probs", "verl"), _take(batch, "rollout_log_probs", "verl"),
                                _take(batch, "response_mask", "verl"), _config(correction))
+
+
+# --------------------------------------------------------------------------------- verl's settings
+@dataclass(frozen=True)
+class VerlSettings:
+    """A correction as verl 0.9's `algorithm.rollout_correction` writes it (always `bypass_mode: false`: our
+    corrections compare the sampler with a dense π_old the actor recomputes), how closely verl reproduces it
+    (`exact`, `approximate` or `partial`, where some part has no verl counterpart), and what differs."""
+
+    settings: dict
+    match: str
+    notes: tuple[str, ...]
+
+
+def verl_rollout_correction(correction: CorrectionConfig | str) -> VerlSettings:
+    """verl's `algorithm.rollout_correction` for a correction (a preset's name or a `CorrectionConfig`).
+
+    verl (`trainer/ppo/rollout_corr_helper.py`) tests k1 = −log ξ against "lo_hi" bounds on π_rollout / π_old, so
+    our bounds on ξ are written inverted: [a, b] becomes "1/b_1/a". Its token veto
+    (`rollout_token_veto_threshold`) was removed in verl#4544 (v0.7.1); the nearest setting is the sequence
+    guard `seq_max_k2` at (ln 1/τ)² / 2, which rejects a sequence holding a token with ξ < τ, as the veto does,
+    and also one holding a token with ξ > 1/τ, which ours keeps.
+    """
+    config = _config(correction)
+    settings: dict = {"bypass_mode": False, "rollout_is": None, "rollout_rs": None}
+    rejections: list[tuple[str, str | float]] = []
+    notes: list[str] = []
+    level = "exact"
+
+    def worse(to: str, note: str) -> None:
+        nonlocal level
+        level = "partial" if "partial" in (level, to) else to
+        notes.append(note)
+
+    if config.is_mode != "none":
+        if config.is_level == "geometric" or config.is_mode == "clip":
+            worse("partial", f"verl has no {'geometric-mean' if config.is_level == 'geometric' else 'two-sided clip'} "
+                             "importance weight: weights are not carried over")
+        else:
+            settings["rollout_is"] = config.is_level
+            # IcePop's "lo_hi" zeroes weights outside [lo, hi]; ours are at least e^-20, so 1e-9 is no bound.
+            settings["rollout_is_threshold"] = config.is_cap if config.is_mode == "truncate" else f"1e-09_{config.is_cap!r}"
+            settings["rollout_is_batch_normalize"] = config.batch_normalize
+            if config.batch_normalize and config.is_level == "sequence":
+                worse("approximate", "verl normalises sequence weights by their mean over sequences, ours by their "
+                                     "mean over tokens")
+            elif config.batch_normalize:
+                notes.append("verl's batch mean adds 1e-8 to its token count (weights within 1e-8 relative)")
+    if config.band is not None:
+        low, high = config.band
+        rejections.append(("token_k1", f"{1 / high!r}_{1 / low!r}"))
+    if config.seq_geo_bounds is not None:
+        low, high = config.seq_geo_bounds
+        rejections.append(("seq_mean_k1", f"{1 / high!r}_{1 / low!r}"))
+    if config.seq_k3_max is not None:
+        rejections.append(("seq_mean_k3", config.seq_k3_max))
+    guards = [config.seq_log_ratio_max ** 2 / 2] if config.seq_log_ratio_max is not None else []
+    if config.veto_threshold is not None and config.veto_scope == "prefix":
+        worse("partial", "verl has no prefix veto: the tokens after a vetoing one stay in its loss")
+    elif config.veto_threshold is not None:
+        guards.append(math.log(1 / config.veto_threshold) ** 2 / 2)
+        worse("approximate", f"the veto becomes seq_max_k2, which also rejects a sequence holding a token with "
+                             f"ξ > {1 / config.veto_threshold:g} (ours keeps it)")
+    if guards:
+        rejections.append(("seq_max_k2", min(guards)))
+    if rejections:
+        settings["rollout_rs"] = ",".join(name for name, _ in rejections)
+        thresholds = [threshold for _, threshold in rejections]
+        settings["rollout_rs_threshold"] = thresholds[0] if len(thresholds) == 1 else \
+            ",".join(str(t) if isinstance(t, str) else repr(t) for t in thresholds)
+    return VerlSettings(settings, level, tuple(notes))

@@ -64,7 +64,7 @@ class RolloutConfig:
     kv_schedule: str | None = None  # a budget schedule YAML (from `sparserl calibrate`), or adaptive: kv_budget adjusted online to keep the α tail >= alpha_tau
     alpha_bin_size: int = 16  # cached-length bin (tokens) over which the α tail of sparse rollouts is measured
     alpha_tau: float = 0.86  # the α tail an adaptive schedule, or a recalibration, keeps
-    alpha_every: int = 1  # train: measure α of sparse rollouts at step 1 and every N steps after (0: never); on a large vocabulary it costs a dense forward and a replay of the sampler (SmolLM2: 16-27 s of a 72-100 s step). An adaptive schedule reads it every step
+    alpha_every: int = 1  # train: measure α of sparse rollouts at step 1 and every N steps after (0: never); it reuses π_old's forward and, on a large vocabulary, replays the sampler (SmolLM2 word additions: about 4 s of a 35 s step). An adaptive schedule reads it every step
     recalibrate_every: int = 0  # train: rerun the calibration on the current weights every N steps (0: never); tau alpha_tau, bins alpha_bin_size
     calibration_budgets: str = "24,32,40,48,56,64,72,80,96,128"  # the budgets a recalibration tries, comma-separated
     calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
@@ -162,6 +162,21 @@ class WarmupConfig:
     curriculum: list[tuple[int, int, float]] = field(
         default_factory=lambda: [(3, 8, 0.9), (3, 14, 0.9)])
     threads: int = 1  # torch threads (fixed, so that the same seed gives the same weights)
+
+
+@dataclass
+class SFTConfig:
+    """`sparserl sft`: a short supervised warm start of a model on a task's demonstrations (`experiments/sft.py`)."""
+
+    out: str = "sft-model"  # where the warm-started model directory is written
+    steps: int = 300  # the most optimizer steps
+    batch_size: int = 8  # demonstrations per step (fresh training examples every step)
+    lr: float = 5e-5  # AdamW learning rate
+    warmup_steps: int = 10  # linear learning-rate warm-up
+    probe_every: int = 20  # steps between held-out greedy probes
+    probe_examples: int = 40  # held-out prompts per probe
+    stop_at: float = 0.15  # stop at the first probe whose held-out greedy accuracy reaches this...
+    band_high: float = 0.6  # ...and refuse one past this (RL needs room to improve)
 
 
 def field_help(cls: type) -> dict[str, str]:

@@ -171,8 +171,9 @@ def _sft_step(model, tokenizer, rng: random.Random, low: int, high: int, config:
     return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
 
-def save_model(model, tokenizer, out: Path, card: dict) -> None:
-    """save_pretrained (safetensors) plus tokenizer and card, written to a temp dir then renamed."""
+def save_model(model, tokenizer, out: Path, card: dict, files: dict[str, str] | None = None) -> None:
+    """save_pretrained (safetensors) plus tokenizer, card and any other `files` (name: text), written to a temp
+    dir then renamed."""
     out = out.expanduser()
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
@@ -182,6 +183,8 @@ def save_model(model, tokenizer, out: Path, card: dict) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

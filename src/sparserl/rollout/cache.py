@@ -174,11 +174,13 @@ class BufferLayer(CacheLayerMixin):
         return self.length if self.row_lengths is None else int(self.row_lengths[row])
 
     def select_rows(self, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> None:
-        """Keep only the batch rows `rows` (the others finished): their buffers shrink with them.
-        `host_rows`: the same indices on the host, needed while rows hold different lengths."""
+        """Keep the batch rows `rows`, in that order: the others finished (the buffers shrink with them), or a
+        row repeated gives a group's prefilled prompt to each of its rows. `host_rows`: the same indices on the
+        host, needed while rows hold different lengths."""
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         self.columns, self.real = self.columns.index_select(0, rows), self.real.index_select(0, rows)
         self.batch = len(rows)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
         if self.row_lengths is not None:
             self._set_lengths(self.row_lengths[host_rows], self._row_lengths_device.index_select(0, rows))
 

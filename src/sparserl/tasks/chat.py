@@ -31,6 +31,8 @@ class ChatPrompts:
         self._strip = tokenizer.bos_token if adds_bos else None
         if hasattr(task, "default_max_new_tokens"):
             self.default_max_new_tokens = task.default_max_new_tokens
+        if hasattr(task, "walk_metrics"):  # how an answer was earned reads the answers, not the prompts
+            self.walk_metrics = task.walk_metrics
 
     def chat_text(self, prompt: str) -> str:
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

@@ -70,12 +70,17 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 
 def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                   compression: KVCompression | BlockSparsity | None = None,
-                  rewards: RewardRunner | None = None, limits: RowLimits = RowLimits()) -> dict[str, float]:
+                  rewards: RewardRunner | None = None, limits: RowLimits = RowLimits(),
+                  answers: list[dict] | None = None) -> dict[str, float]:
     """Greedy `accuracy` (`is_correct` by the task's reward) on `examples`, plus the task's `walk_metrics`
-    where it has them. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`)."""
+    where it has them. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`).
+    `answers`, if given, gets each example's prompt, label, greedy completion and verdict appended."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression,
                     limits=limits)
     scores = (rewards or RewardRunner.for_task(task)).score_examples(examples, done.texts, done.ids)
+    if answers is not None:
+        answers.extend({"prompt": e.prompt, "label": e.label, "completion": text, "correct": is_correct(score)}
+                       for e, text, score in zip(examples, done.texts, scores))
     return {"accuracy": accuracy(scores), **walk_metrics(task, done.texts, examples)}
 
 

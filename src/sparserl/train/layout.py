@@ -1,12 +1,13 @@
 """Every file name of a run directory and of a comparison directory, in one place.
 
-    <run>/config.yaml, metrics.jsonl, tensorboard/, final_eval.json (written by `compare`)
+    <run>/config.yaml, metrics.jsonl, samples.jsonl, tensorboard/, final_eval.json (written by `compare`)
     <run>/checkpoints/step_000010/{policy/, optimizer.pt, config.yaml, sampler_adapter/, ...}
     <compare>/compare.json, report.md, *.png, <mode>/seed<S>/ (one run each)
 """
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # every rollout's and every held-out answer's text, to read how a number was earned
 TENSORBOARD_DIR = "tensorboard"
 FINAL_EVAL_FILE = "final_eval.json"
 CHECKPOINT_DIR = "checkpoints"

@@ -1,6 +1,7 @@
-"""Where per-step metrics go: `metrics.jsonl` (always), TensorBoard, and trackio or wandb if asked.
+"""Where per-step metrics go: `metrics.jsonl` (always), TensorBoard, and trackio or wandb if asked; and the texts
+behind them, `samples.jsonl` (each step's rollouts and each evaluation's answers, a line per answer).
 
-On resume the JSONL file is cut back to the checkpoint's step (and a line torn by a kill is
+On resume the JSONL files are cut back to the checkpoint's step (and a line torn by a kill is
 dropped), so a resumed run's file reads as if it had never stopped and holds each step once. A
 fresh run starts an empty file.
 """
@@ -14,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from .layout import METRICS_FILE, TENSORBOARD_DIR
+from .layout import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, backends: str, resume_step: int | None, run_name: str, config: dict):
         """`resume_step`: the checkpoint's step when resuming, None for a fresh run."""
-        self.path = run_dir / METRICS_FILE
-        _truncate_after(self.path, -1 if resume_step is None else resume_step)
+        self.path, self.samples_path = run_dir / METRICS_FILE, run_dir / SAMPLES_FILE
+        for path in (self.path, self.samples_path):
+            _truncate_after(path, -1 if resume_step is None else resume_step)
         resume_step = resume_step or 0
         self.tensorboard = None
         self.trackers: list[Any] = []
@@ -51,6 +53,11 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(key, value, step)
         for tracker in self.trackers:
             tracker.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def log_samples(self, records: list[dict[str, Any]]) -> None:
+        """Append answers, each a JSON object with its `step` (and `kind`: train, eval_dense, eval_sparse)."""
+        with open(self.samples_path, "a") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in records)
 
     def close(self) -> None:
         if self.tensorboard is not None:

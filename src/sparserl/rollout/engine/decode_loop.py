@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ...model.attention import masked_attention
 from ...model.clock import Stopwatch
+from ...model.shared_prompt import prompt_groups
 from ...model.structure import cache_keyword, positions_from_mask
 from ..batch import EvictionEvent, KVStats
 from ..cache import BufferCache, build_cache
@@ -222,19 +223,28 @@ class DecodeLoop:
         their next-token logits `[count, V]`."""
         requests = torch.arange(self.admitted, self.admitted + count, device=self.device)
         comp = self.comp
-        cache = build_cache(self.model, count, self.capacities, bool(comp and comp.per_head), self.dtype, self.device,
-                            full_capacity=self.full, growth=self.growth,
+        ids, mask = self.prompt_ids[requests], self.prompt_mask[requests]
+        # A group's G rows share their prompt: it is prefilled once, and its cache rows and next-token logits are
+        # given to each of them (the same values a prefill of every row computes, up to float rounding).
+        group, first = prompt_groups(ids, mask)
+        cache = build_cache(self.model, len(first), self.capacities, bool(comp and comp.per_head), self.dtype,
+                            self.device, full_capacity=self.full, growth=self.growth,
                             page_size=self.block.page_size if self.block else 1)
+        provider = RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
+                                    keep_mass=bool(comp and self.engine.policy.needs_attention_mass))
+        with masked_attention(self.model, provider):
+            provider.begin_forward(torch.arange(self.width, device=self.device).expand(len(first), -1), mask[first])
+            logits = self.model(input_ids=ids[first], position_ids=positions_from_mask(mask[first]),
+                                **{self.cache_keyword: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+        if len(first) < count:
+            for layer in cache.layers:
+                layer.select_rows(group)
+            provider.select_rows(group)
+            logits = logits.index_select(0, group)
+        # Block attention narrows decode queries only: its page state starts after the prefill.
         selector = BlockSelector(self.block, cache, self.steps, self.width, self.engine.record_evictions) \
             if self.block else None
-        provider = RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
-                                    keep_mass=bool(comp and self.engine.policy.needs_attention_mass), selector=selector)
-        ids, mask = self.prompt_ids[requests], self.prompt_mask[requests]
-        with masked_attention(self.model, provider):
-            provider.begin_forward(torch.arange(self.width, device=self.device).expand(count, -1), mask)
-            positions = positions_from_mask(mask)
-            logits = self.model(input_ids=ids, position_ids=positions, **{self.cache_keyword: cache},
-                                use_cache=True, logits_to_keep=1).logits[:, -1]
+        provider.selector = selector
         if self.cache is None:
             self.cache, self.provider, self.selector = cache, provider, selector
             self.slot_bytes = cache.bytes_per_slot()

@@ -39,6 +39,7 @@ import torch
 from ...model.attention import masked_attention
 from ...model.clock import now
 from ...model.forward import logit_scale
+from ...model.shared_prompt import prompt_groups
 from ...model.structure import cache_keyword, positions_from_mask
 from ..acceptance import acceptance_rate
 from ..batch import KVStats, RolloutBatch, SamplingConfig, left_pad
@@ -114,11 +115,12 @@ class SpeculativeSampler:
             raise ValueError(f"{len(seeds)} seeds for {batch} prompts")
         capacity = self._capacity(width, steps)
         page = self.draft.page_size if isinstance(self.draft, BlockSparsity) else 1
-        cache = build_cache(model, batch, [capacity] * len(decoder_layers(model)), False, dtype, device,
+        # A group's rows share their prompt: it is prefilled once and its cache rows copied to each of them.
+        group, first = prompt_groups(prompt_ids, prompt_mask)
+        cache = build_cache(model, len(first), [capacity] * len(decoder_layers(model)), False, dtype, device,
                             full_capacity=capacity, page_size=page)
         slot_bytes = cache.bytes_per_slot()
-        draft = build_draft(self.draft, cache, steps, width)
-        provider = _SpeculativeAttention(cache, draft)
+        provider = _SpeculativeAttention(cache, None)
         state = _Rows(batch, steps, sampling.pad_token_id, torch.tensor(seeds, dtype=torch.long, device=device),
                       prompt_mask.sum(dim=1), device, _logprob_dtype(dtype))
         stats = SpeculationStats()
@@ -132,11 +134,15 @@ class SpeculativeSampler:
 
         with masked_attention(model, provider):
             provider.prefill = True
-            provider.begin_forward(torch.arange(width, device=device).expand(batch, -1), prompt_mask)
-            positions = positions_from_mask(prompt_mask)
-            logits = model(input_ids=prompt_ids, position_ids=positions, **{keyword: cache},
-                           use_cache=True, logits_to_keep=1).logits
+            provider.begin_forward(torch.arange(width, device=device).expand(len(first), -1), prompt_mask[first])
+            logits = model(input_ids=prompt_ids[first], position_ids=positions_from_mask(prompt_mask[first]),
+                           **{keyword: cache}, use_cache=True, logits_to_keep=1).logits
             provider.prefill = False
+            if len(first) < batch:
+                for layer in cache.layers:
+                    layer.select_rows(group)
+                logits = logits.index_select(0, group)
+            draft = provider.draft = build_draft(self.draft, cache, steps, width)
             draft.recommit(cache)
             first, _, _ = draw_tokens(logits[:, -1], sampling.temperature, None, row_uniforms(state.seeds, 0))
             state.emit(first[:, None], torch.ones(batch, dtype=torch.long, device=device),
