@@ -10,6 +10,7 @@
 set -euo pipefail
 baseline=$1; rounds=$2; shift 3
 here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
 py=${PYTHON:-$here/.venv/bin/python}
 work=$(mktemp -d)
 for round in $(seq "$rounds"); do
@@ -17,16 +18,7 @@ for round in $(seq "$rounds"); do
     src=$([ "$side" = baseline ] && echo "$baseline" || echo "$here/src")
     out="$work/$side-$round"
     PYTHONPATH=$src "$py" -m sparserl.cli train --out "$out" --log-with none "$@" > "$out.log" 2>&1
-    "$py" - "$side" "$round" "$out/metrics.jsonl" <<'PY'
-import json, sys
-side, round_, path = sys.argv[1:]
-steps = [json.loads(line) for line in open(path) if '"step": 0' not in line[:12]]
-steps = [r for r in steps if r["step"] > 0]
-mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)
-print(f"{side:8s} round {round_}: {len(steps)} steps, step {mean('step_s'):.2f} s = rollout {mean('rollout_s'):.2f} + "
-      f"recompute (with alpha) {mean('recompute_s'):.2f} + update {mean('update_s'):.2f} s (means); "
-      f"reward {mean('reward_mean'):.3f}")
-PY
+    "$py" bench/phase_means.py "$out/metrics.jsonl" --label "$side round $round"
   done
 done
 rm -rf "$work"

@@ -1,13 +1,13 @@
-"""A prediction, not a measurement: the rollout speedup a KV budget buys for a 1.5B model with
+"""A prediction, not a measurement: the rollout speedup a KV budget buys for a 1.5B model (or SmolLM2-135M) with
 4k-token responses on one 80 GB GPU, from the cost model (`sparserl.rollout.engine.cost_model`) fed with
 stated hardware rates instead of probed ones.
 
-    python bench/predict_gpu.py [--requests 1024] [--prompt 256] [--max-response 4096]
+    python bench/predict_gpu.py [--model qwen2.5-1.5b|smollm2-135m] [--requests 1024] [--prompt 256] [--max-response 4096]
 
 Every input is printed with the result. The rates are assumptions about an H100 SXM (80 GB HBM3):
 a share of its peak bf16 FLOP rate and memory bandwidth, a fixed per-step overhead of a decode
 loop without CUDA graphs, and R-KV's similarity work at a lower FLOP efficiency. The shapes are
-Qwen2.5-1.5B's. Response lengths are drawn uniformly between a quarter of and the whole maximum
+Qwen2.5-1.5B's or SmolLM2-135M's (`--model`). Response lengths are drawn uniformly between a quarter of and the whole maximum
 (seeded), in queue order. KV memory is what is left of 90% of the GPU after the weights and an
 activation reserve; each row reserves what its cache can reach (`Shapes.row_bytes`).
 """
@@ -28,16 +28,22 @@ COMPRESS_FLOP_EFFICIENCY, COMPRESS_OVERHEAD_S = 0.3, 1e-4  # per compression and
 ACTIVATION_RESERVE = 4e9
 QWEN_1_5B = Shapes(layers=28, hidden=1536, q_heads=12, kv_heads=2, head_dim=128, vocab=151_936,
                    body_params=1_310_000_000, width=2)
+# SmolLM2-135M: 30 layers of 576, 9 query heads, 3 KV heads of 64; 134.5M parameters, 28.3M of them the (tied)
+# embedding.
+SMOLLM2_135M = Shapes(layers=30, hidden=576, q_heads=9, kv_heads=3, head_dim=64, vocab=49_152,
+                      body_params=106_200_000, width=2)
+MODELS = {"qwen2.5-1.5b": ("Qwen2.5-1.5B", QWEN_1_5B), "smollm2-135m": ("SmolLM2-135M", SMOLLM2_135M)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     parser.add_argument("--requests", type=int, default=1024, help="a step's rollouts (128 prompts x 8)")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--max-response", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    shapes = QWEN_1_5B
+    name, shapes = MODELS[args.model]
     bandwidth = PEAK_BANDWIDTH * BANDWIDTH_EFFICIENCY
     rates = Rates(flop_rate=PEAK_FLOPS * FLOP_EFFICIENCY, bandwidth=bandwidth,
                   cached_token_s=shapes.kv_bytes_per_token() / bandwidth,  # one row reads its K and V once
@@ -50,7 +56,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     lengths = [rng.randint(args.max_response // 4, args.max_response) for _ in range(args.requests)]
     print("PREDICTION (cost model with assumed rates; nothing here was measured on a GPU)")
-    print(f"inputs: Qwen2.5-1.5B shapes, bf16; H100 80 GB: {FLOP_EFFICIENCY:.0%} of {PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
+    print(f"inputs: {name} shapes, bf16; H100 80 GB: {FLOP_EFFICIENCY:.0%} of {PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
           f"{BANDWIDTH_EFFICIENCY:.0%} of {PEAK_BANDWIDTH / 1e12:.2f} TB/s, {STEP_OVERHEAD_S * 1e3:.1f} ms per decode "
           f"step (+{SPARSE_OVERHEAD_S * 1e3:.1f} ms sparse), R-KV at {COMPRESS_FLOP_EFFICIENCY:.0%} FLOP efficiency")
     print(f"KV memory {kv_memory / 1e9:.1f} GB (90% of 80 GB - weights {weights / 1e9:.1f} GB - "

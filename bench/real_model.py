@@ -17,7 +17,10 @@ is in near its end, not the prefill:
   with a window of B slots (64 sink slots) or with that block-sparse attention; its rounds' draft and verify
   seconds, and the tokens they emitted. Its samples are exactly the dense policy's (tests/test_speculative.py).
 
-Per cell: decode tokens/s (N × tokens / seconds), the speedup against dense in the same cell, KV held per row,
+Per cell: decode tokens/s by CPU time (N × tokens / the process's CPU seconds over the timed steps; for the
+speculative rows over its rounds, the first one's share estimated as the mean round's), so that other jobs on a
+shared machine do not count, with `--threads 1` (a thread waiting for a busy core costs no CPU time, but an
+OpenMP team's spinning does); the wall-clock rate beside it; the speedup against dense in the same cell, KV held per row,
 and for the speculative rows the acceptance rate, tokens per verification and mean γ. The cost model
 (`rollout/engine/cost_model.py`, rates probed on this machine at each N before the cell runs) predicts each
 engine row's tokens/s; the speculative rows are predicted from it with the measured acceptance and γ.
@@ -103,24 +106,29 @@ def measure(model, method: str, prompt: list[int], rows: int, length: int, token
     seeds = [request_seed(length * 1000 + rows, row) for row in range(rows)]
     prompts = [prompt] * rows
     settings = sparsity_for(method, budget, interval)
-    cpu = time.process_time()
+    wall = time.perf_counter()
     if method in SPECULATIVE_METHODS:
         sampler = SpeculativeSampler(model, settings, draft_tokens="adaptive")
-        batch = sampler.generate(prompts, sampling, seeds=seeds)
+        rounds: list[float] = []
+        batch = sampler.generate(prompts, sampling, seeds=seeds, on_step=lambda _: rounds.append(time.process_time()))
         stats = batch.speculation
-        seconds = stats.draft_seconds + stats.verify_seconds
-        out = {"decode_s": seconds, "tokens": stats.tokens, "acceptance": stats.acceptance_rate,
+        # The rounds' CPU time: from the end of the first round to the end of the last, scaled to all rounds (the
+        # first one's start, after the prefill and the draft's set-up, has no stamp).
+        out = {"decode_s": (rounds[-1] - rounds[0]) * len(rounds) / max(len(rounds) - 1, 1),
+               "wall_decode_s": stats.draft_seconds + stats.verify_seconds, "tokens": stats.tokens, "acceptance": stats.acceptance_rate,
                "tokens_per_verification": stats.tokens / max(stats.verifications, 1),
                "gamma_mean": stats.gamma_sum / max(stats.rounds, 1)}
     else:
-        stamps: list[float] = []
+        stamps: list[tuple[float, float]] = []
         engine = RolloutEngine(model, settings, record_evictions=False)
-        batch = engine.generate(prompts, sampling, seeds=seeds, on_step=lambda _: stamps.append(time.perf_counter()))
+        batch = engine.generate(prompts, sampling, seeds=seeds,
+                                on_step=lambda _: stamps.append((time.process_time(), time.perf_counter())))
         skip = interval + 1  # past the first compression (engine rows: all methods over the same steps)
-        seconds = stamps[-1] - stamps[skip - 1]
-        out = {"decode_s": seconds, "tokens": rows * (len(stamps) - skip)}
+        out = {"decode_s": stamps[-1][0] - stamps[skip - 1][0], "wall_decode_s": stamps[-1][1] - stamps[skip - 1][1],
+               "tokens": rows * (len(stamps) - skip)}
     out.update({"method": method, "length": length, "rows": rows, "budget": budget, "interval": interval,
-                "new_tokens": new, "tok_s": out["tokens"] / out["decode_s"], "cpu_s": time.process_time() - cpu,
+                "new_tokens": new, "tok_s": out["tokens"] / out["decode_s"],
+                "wall_tok_s": out["tokens"] / out["wall_decode_s"], "cell_wall_s": time.perf_counter() - wall,
                 # What a row holds at position L: B + Δ slots under eviction, every slot otherwise (the speculative
                 # sampler's buffers also keep a slack for rejected drafts, counted in its peak).
                 "kv_row_mib": (budget + interval if method in ("rkv", "snapkv") else length)
@@ -211,15 +219,15 @@ def report(results: list[dict], extra: dict | None, args, probe_start: float, pr
     dense = {(r["length"], r["rows"]): r["tok_s"] for r in results if r["method"] == "dense"}
     lines = [f"\nSmolLM2-135M-Instruct, float32, {args.threads} threads; decode at position L (B = L/8); "
              f"contention probe {probe_start:.3f} / {probe_end:.3f} ms (start / end)\n",
-             "| L | rows | method | tok/s | vs dense | predicted tok/s | pred / meas | KV MiB/row | acceptance | "
-             "tokens/verif. | mean γ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| L | rows | method | tok/s (CPU time) | vs dense | tok/s (wall) | predicted tok/s | pred / meas | "
+             "KV MiB/row | acceptance | tokens/verif. | mean γ |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = dense.get((r["length"], r["rows"]))
         speed = f"{r['tok_s'] / base:.2f}x" if base else "—"
         predicted = r.get("predicted_tok_s")
         spec = r["method"].startswith("spec")
         lines.append(
-            f"| {r['length']} | {r['rows']} | {r['method']} | {r['tok_s']:.1f} | {speed} | "
+            f"| {r['length']} | {r['rows']} | {r['method']} | {r['tok_s']:.1f} | {speed} | {r['wall_tok_s']:.1f} | "
             f"{predicted:.1f} | {predicted / r['tok_s']:.2f} | {r['kv_row_mib']:.1f} | "
             + (f"{r['acceptance']:.3f} | {r['tokens_per_verification']:.2f} | {r['gamma_mean']:.2f} |" if spec
                else "— | — | — |"))

@@ -2,9 +2,14 @@
 
     python bench/train_step.py --steps 3 --threads 2 [--model DIR] [--json FILE] [--profile]
     python bench/train_step.py --shape smollm2 --model models/smollm2-135m --steps 3 --threads 2
+    python bench/train_step.py --only trl --trl-rollout both --steps 3 --threads 2    # TRL's generate vs ours
 
 Ours runs twice, with each group's prompt computed once in the learner's forwards (`--share-prompts true`, the
 default) and without (`false`), unless `--share-prompts on|off` picks one.
+
+`--trl-rollout ours|both` runs TRL's trainer (also) with `rollout_func=SparseRollouts(dense=True, ignore_eos=True)`
+(sparserl.integrations.trl: our engine samples the same batch shape inside TRL's step, dense, no correction),
+after the interleaved runs, and prints its step and generation time against TRL's own `model.generate`.
 
 Shapes (`--shape`):
 - `builtin` (default): the built-in architecture, random init, pointer-walk prompts (36-56 tokens), 8 prompts x 8
@@ -85,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--letters", type=int, default=26, help="pointer_walk difficulty: longest cycle (default 26)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--only", choices=("both", "ours", "trl"), default="both")
+    p.add_argument("--trl-rollout", choices=("own", "ours", "both"), default="own",
+                   help="TRL samples with its own generate (default), with sparserl's SparseRollouts, or both")
     p.add_argument("--profile", action="store_true", help="cProfile our timed steps and print the top functions")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--json", default=None, help="write the numbers to this JSON file")
@@ -224,9 +231,9 @@ class Ours:
 
 
 # ---------------------------------------------------------------------------------------- TRL
-def run_trl(args, model_dir: Path, root: Path, rows: list[dict], after_step=None) -> dict:
+def run_trl(args, model_dir: Path, root: Path, rows: list[dict], after_step=None, rollout_func=None) -> dict:
     """TRL's trainer for warmup + steps steps on the dataset `rows`; `after_step(k)` runs after its step k,
-    outside the timing."""
+    outside the timing; `rollout_func` replaces TRL's generation."""
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -262,7 +269,7 @@ def run_trl(args, model_dir: Path, root: Path, rows: list[dict], after_step=None
     )
     reward = pointer_walk_reward if args.shape == "builtin" else text_reward
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward], args=config,
-                          train_dataset=dataset)
+                          train_dataset=dataset, rollout_func=rollout_func)
 
     steps: list[dict] = []
     current: dict = {}
@@ -338,6 +345,7 @@ def profile_text(profiler: cProfile.Profile, top: int, steps: int) -> str:
 
 
 OURS = {"ours_shared": "sparserl, shared prompts", "ours_plain": "sparserl, every row's prompt"}
+TRLS = {"trl": "TRL GRPOTrainer", "trl_sparserl_rollout": "TRL GRPOTrainer + SparseRollouts(dense)"}
 
 
 def table(results: dict, args) -> str:
@@ -350,7 +358,7 @@ def table(results: dict, args) -> str:
              "| trainer | step s (median) | min | each step s | tokens/step | tokens/s (median) "
              "| phases of the median step (s) |",
              "|---|---|---|---|---|---|---|"]
-    for key, name in (*OURS.items(), ("trl", "TRL GRPOTrainer")):
+    for key, name in (*OURS.items(), *TRLS.items()):
         r = results.get(key)
         if r is None:
             continue
@@ -367,6 +375,11 @@ def table(results: dict, args) -> str:
                          f"{ours['min_step_s'] / trl['min_step_s']:.2f}x min (rollout / TRL generate: "
                          f"{ours['phases']['rollout_s'] / trl['phases']['generate_s']:.2f}x; recompute+update / TRL "
                          f"update: {(ours['phases']['recompute_s'] + ours['phases']['update_s']) / trl['phases']['update_s']:.2f}x)")
+    plugged = results.get("trl_sparserl_rollout")
+    if plugged and trl:
+        lines.append(f"TRL step with SparseRollouts / with its own generate: **{plugged['step_s'] / trl['step_s']:.2f}x** "
+                     f"median, {plugged['min_step_s'] / trl['min_step_s']:.2f}x min (generation phase "
+                     f"{plugged['phases']['generate_s'] / trl['phases']['generate_s']:.2f}x)")
     shared, plain = results.get("ours_shared"), results.get("ours_plain")
     if shared and plain:
         learner = lambda r: r["phases"]["recompute_s"] + r["phases"]["update_s"]  # noqa: E731
@@ -382,6 +395,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -407,7 +421,14 @@ def main(argv=None) -> int:
             results["versions"].update(trl=trl.__version__, transformers=transformers.__version__)
             # Interleaved: after TRL's step k (outside its timer) ours runs its step k, so background
             # load on a shared machine falls on both alike.
-            results["trl"] = run_trl(args, model_dir, root, rows, after_step=ours_step if ours else None)
+            if args.trl_rollout in ("own", "both"):
+                results["trl"] = run_trl(args, model_dir, root, rows, after_step=ours_step if ours else None)
+            if args.trl_rollout in ("ours", "both"):
+                from sparserl.integrations.trl import SparseRollouts
+
+                results["trl_sparserl_rollout"] = run_trl(
+                    args, model_dir, root, rows, after_step=None if "trl" in results or not ours else ours_step,
+                    rollout_func=SparseRollouts(dense=True, ignore_eos=True))
         else:
             for step in range(1, args.warmup + args.steps + 1):
                 ours_step(step)

@@ -69,6 +69,7 @@ JOB_STARTS = {
     "calibrate": ("sparserl.experiments.calibrate", "held_out"),
     "compare": ("sparserl.experiments.compare", "make_output_dir"),
     "warmup": ("sparserl.experiments.warmup", "warmup"),
+    "sft": ("sparserl.experiments.sft", "sft"),
     "model": ("sparserl.model.loading", "fetch_pretrained"),
     "presets": None,  # prints a table from the code: runs as it is
 }

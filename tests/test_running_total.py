@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,19 +26,38 @@ def my_numbers(prompt: str) -> list[int]:
     return [int(n) for n in match.group(1).split(", ")]
 
 
+def _load_checker():
+    """The study's own checker (docs/results/running_total/check_outputs.py): the task's rules by arithmetic."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "docs/results/running_total/check_outputs.py"
+    spec = importlib.util.spec_from_file_location("check_outputs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHECKER = _load_checker()
+
+
 def my_check(numbers: list[int], answer: str) -> bool:
-    """An answer is right if its first line is the first number, line k adds the k-th number to the previous total
-    correctly, and the last line states the total: checked by arithmetic, not by comparing with a demonstration."""
-    lines = answer.strip().split("\n")
-    if len(lines) != len(numbers) + 1 or lines[0] != str(numbers[0]):
-        return False
-    total = numbers[0]
-    for line, number in zip(lines[1:], numbers[1:]):
-        match = re.fullmatch(r"(\d+) \+ (\d+) = (\d+)", line)
-        if not match or (int(match[1]), int(match[2]), int(match[3])) != (total, number, total + number):
-            return False
-        total += number
-    return lines[-1] == f"The total is {total}."
+    return CHECKER.check_answer(numbers, answer)[0]
+
+
+@pytest.mark.parametrize("answer, first_wrong", [
+    ("7\n7 + 3 = 10\n10 + 9 = 19\nThe total is 19.", 4),
+    ("7\n7 + 3 = 10\n10 + 9 = 19\nThe total is 19.\n", 4),
+    ("8\n8 + 3 = 11\n11 + 9 = 20\nThe total is 20.", 0),
+    ("7\n7 + 3 = 11\n11 + 9 = 20\nThe total is 20.", 1),
+    ("7\n7 + 3 = 10\n10 + 8 = 18\nThe total is 18.", 2),  # read the wrong number from the prompt
+    ("7\n7 + 3 = 10\nThe total is 10.", 2),
+    ("7\n7 + 3 = 10\n10 + 9 = 19\n19 + 1 = 20\nThe total is 20.", 3),  # added a number the prompt lacks
+    ("7\n7 + 3 = 10\n10 + 9 = 19\nThe total is 19. Done!", 3),
+    ("", 0),
+])
+def test_the_study_checker_by_hand(answer, first_wrong):
+    assert CHECKER.check_answer([7, 3, 9], answer) == (first_wrong == 4, first_wrong)
+    assert CHECKER.numbers_of("<|im_start|>user\nAdd ...\nNumbers: 7, 3, 9<|im_end|>") == [7, 3, 9]
 
 
 def test_the_docstrings_example_by_hand():
@@ -138,7 +158,8 @@ def test_the_sft_loss_is_the_response_cross_entropy_of_plain_forwards():
     for example in examples:
         prompt = tokenizer(example.prompt).input_ids
         response = tokenizer(example.demonstration, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        logits = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
         for offset, token in enumerate(response):
             total -= logits[len(prompt) + offset - 1, token]
             count += 1

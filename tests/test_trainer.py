@@ -294,3 +294,46 @@ def test_accuracy_is_the_tasks_own_verdict_not_the_weighted_reward(tiny_model_di
         record = read_metrics(out / "metrics.jsonl")[-1]
         assert record["reward_task_mean"] == 0 and record["reward_always_mean"] == 1
         assert record["reward_mean"] == 1 and record["accuracy"] == 0
+
+
+def test_a_batch_without_signal_does_not_move_the_weights():
+    """With every advantage 0 the gradient is exactly 0, yet AdamW's step would still move each weight along its
+    moments (checked below on a copy): the update skips it, so weights and optimizer state stay as they were."""
+    import copy
+
+    from conftest import make_tiny_model
+
+    from sparserl.config.schema import load_config
+    from sparserl.learner.update import ppo_update
+    from sparserl.rollout.batch import SamplingConfig
+    from sparserl.rollout.engine.engine import RolloutEngine
+
+    model, tokenizer = make_tiny_model(seed=4)
+    prompts = [tokenizer("^aBbCcA|a3").input_ids] * 4
+    batch = RolloutEngine(model, None).generate(prompts, SamplingConfig(
+        max_new_tokens=6, temperature=1.0, eos_token_id=None, pad_token_id=tokenizer.pad_token_id), seeds=[1, 2, 3, 4])
+    train = load_config(overrides={"minibatches": "1", "kl_coef": "0", "entropy_coef": "0"}).train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logp_old = batch.sampler_logprobs.clone()
+    ones = torch.ones_like(logp_old)
+    generator = torch.Generator().manual_seed(0)
+
+    def update(advantages):
+        return ppo_update(model, optimizer, batch, logp_old, None, advantages, ones, batch.response_mask.bool(),
+                          generator, train, 1.0)
+
+    assert update(torch.tensor([1.0, -1.0, 0.5, -0.5]))["optimizer_steps"] == 1
+    before = copy.deepcopy(model.state_dict())
+    drifting = copy.deepcopy(model)
+    drift_optimizer = torch.optim.AdamW(drifting.parameters(), lr=1e-2)
+    drift_optimizer.load_state_dict(optimizer.state_dict())
+    for parameter in drifting.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    drift_optimizer.step()
+    assert any(not torch.equal(before[k], v) for k, v in drifting.state_dict().items())  # what plain AdamW does
+    state = copy.deepcopy(optimizer.state_dict())
+    result = update(torch.zeros(4))
+    assert result["optimizer_steps"] == 0 and result["grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(state["state"][i]["exp_avg"], optimizer.state_dict()["state"][i]["exp_avg"])
+               for i in state["state"])

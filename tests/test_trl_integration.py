@@ -154,6 +154,21 @@ def test_refuses_a_sampler_it_cannot_record(tmp_path):
         trainer._generate_and_score_completions(_rows())
 
 
+def test_ignore_eos_gives_every_completion_the_full_length(tmp_path):
+    """A rollout setting the sampler takes is honoured, not dropped: with `ignore_eos` no row stops at EOS, which
+    a random model over this vocabulary samples now and then (so without it some rows end early)."""
+    model, tokenizer = make_tiny_model(seed=3)
+    prompts = [row["prompt"] for row in _rows()] * 4
+    lengths = {}
+    for ignore in (False, True):
+        trainer = _trainer(SparseGRPOTrainer, model, tokenizer, tmp_path, rollout_func=SparseRollouts(
+            dense=True, ignore_eos=ignore))
+        trainer.args.max_completion_length = trainer.max_completion_length = 60
+        lengths[ignore] = [len(c) for c in trainer.rollout_func(prompts, trainer)["completion_ids"]]
+    assert min(lengths[False]) < 60
+    assert lengths[True] == [60] * len(prompts)
+
+
 def test_a_sparse_run_through_trl_learns_the_builtin_task(tmp_path):
     """The shipped warm-started model on 4 pointer-walk prompts, 8 TRL steps of 4 x 8 R-KV rollouts (B = 80, the
     paper regime) under geo-rs: the batch reward rises over the steps, and so does the mean reward of 16 samples

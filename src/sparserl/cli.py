@@ -1,6 +1,7 @@
-"""The `sparserl` command: warmup, train, eval, sweep, audit, calibrate, compare, presets and model.
+"""The `sparserl` command: warmup, sft, train, eval, sweep, audit, calibrate, compare, presets and model.
 
     sparserl warmup --out DIR                     # supervised warm start of the built-in model
+    sparserl sft --model DIR --task TASK --out DIR   # a short supervised warm start of any model on a task
     sparserl train --out DIR --steps N --mode MODE --seed S [--config FILE] [--resume [auto]]
     sparserl eval --out FILE.json [--model DIR|RUN_DIR] [--n N] [--inference dense|sparse|both]
     sparserl sweep --out FILE.json [--budgets B,B,...]

@@ -4,7 +4,7 @@
 # about 0.87) with seeds 0, 1 and 2, and geo-rs and sparse-rl at B = 64 with seeds 0 and 1; two seeds side by
 # side, one torch thread each. 8-15 minutes per run, about 90 minutes in all on the 2-core machine.
 # Needs the model: sparserl model smollm2-135m --out models/smollm2-135m (README). Then:
-#     python docs/results/smollm2/table.py > docs/results/smollm2/table.md
+#     python docs/results/study_table.py docs/results/smollm2 > docs/results/smollm2/table.md
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 out=${OUT:-runs/smollm2-study}

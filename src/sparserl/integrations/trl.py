@@ -53,8 +53,9 @@ class SparseRollouts:
 
     Keyword arguments are sparserl's rollout settings, as `sparserl train` takes them (`kv_policy`, `kv_budget`,
     `kv_window`, `kv_interval`, `sparsity`, `block_*`, `speculative`, `speculative_draft`, `draft_tokens`,
-    `rollout_kv_memory`, `max_concurrent_rows`, and the policies' own options); `dense=True` samples with the
-    full cache (the same engine, no compression). `measure_alpha`: also measure Sparrow's acceptance rate α of
+    `rollout_kv_memory`, `max_concurrent_rows`, `ignore_eos` (every completion `max_completion_length` long, as
+    benchmarks want), and the policies' own options); `dense=True` samples with the full cache (the same engine,
+    no compression). `measure_alpha`: also measure Sparrow's acceptance rate α of
     each batch against the dense policy (a dense forward and, on a large vocabulary, a replay of the sampler).
     """
 
@@ -80,7 +81,8 @@ class SparseRollouts:
         prompt_ids = _tokenize(prompts, trainer, tokenizer)
         sampling = SamplingConfig(
             max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=None if self.rollout.ignore_eos else tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             prompt_width=max(len(p) for p in prompt_ids), **_row_limits(self.rollout, policy))
         # One seed per row, a function of the run's seed, the step and the process, as sparserl's own steps.
         step_seed = (trainer.args.seed * 1_000_003 + trainer.state.global_step) * 1024 + trainer.accelerator.process_index

@@ -23,7 +23,7 @@ def ppo_update(model, optimizer: torch.optim.Optimizer, batch, logp_old: torch.T
     logp_old, weights, keep: `[B, T]`; logp_ref: `[B, T]` or None; advantages: `[B]`. `first_forward`: the
     update's own forward (log-probs and entropy `[B, T]`, with gradients) when one optimizer step on the whole
     batch made it π_old's too. `train`: a `TrainConfig`. Returns the averaged loss terms, the mean gradient norm
-    and the optimizer steps taken (a minibatch with nothing kept takes none).
+    and the optimizer steps taken (a minibatch with nothing kept, or with a gradient of exactly 0, takes none).
     """
     model.train()
     rows = len(batch)
@@ -40,6 +40,9 @@ def ppo_update(model, optimizer: torch.optim.Optimizer, batch, logp_old: torch.T
             coefficients = token_coefficients(keep[index], train.loss_agg)
             if float(coefficients.sum()) == 0:
                 continue
+            if train.kl_coef == 0 and train.entropy_coef == 0 and not bool(advantages[index].any()):
+                grad_norms.append(0.0)  # the gradient is exactly 0: no forward, no backward, no step (below)
+                continue
             optimizer.zero_grad(set_to_none=True)
             for part in micro_batches(len(index), train.micro_batch_size):
                 rows_part = index[part]
@@ -55,7 +58,13 @@ def ppo_update(model, optimizer: torch.optim.Optimizer, batch, logp_old: torch.T
                 for key in totals:
                     value = float(terms.loss.detach()) if key == "loss" else getattr(terms, key)
                     totals[key] += value if key in ("loss", "pg_loss", "kl", "entropy") else value * share
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)))
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip))
+            grad_norms.append(norm)
+            if norm == 0.0:
+                # No signal (every advantage 0: each group's samples all right or all wrong, no KL, no entropy
+                # term): AdamW would still move every weight along its moments, for dozens of steps after the last
+                # real gradient. On SmolLM2 at lr 2e-5 that drift alone broke the model's arithmetic.
+                continue
             optimizer.step()
             steps += 1
     optimizer.zero_grad(set_to_none=True)

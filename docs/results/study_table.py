@@ -1,10 +1,12 @@
-"""The SmolLM2 study's tables (docs/results.md), from the runs `run.sh` keeps beside this file.
+"""The table of a real-model study (docs/results.md), from the runs its `run.sh` keeps in its directory
+(`<dir>/b<budget>/<mode>/seed<k>/`: metrics.jsonl, config.yaml, final_eval.json):
 
-    python docs/results/smollm2/table.py > docs/results/smollm2/table.md
+    python docs/results/study_table.py docs/results/smollm2 > docs/results/smollm2/table.md
+    python docs/results/study_table.py docs/results/running_total > docs/results/running_total/table.md
 
-Cells are mean (min–max) over the seeds found. Held-out accuracy is greedy, on the 40 test problems,
+Cells are mean (min–max) over the seeds found. Held-out accuracy is greedy, on the run's held-out problems,
 under dense and under sparse inference (R-KV at the run's budget), at step 0 and after the last step
-(`final_eval.json`). Reward is the training batch's mean (24 samples), first two and last two steps.
+(`final_eval.json`). Reward is the training batch's mean first two and last two steps.
 B is the R-KV budget of the sparse rollouts and of sparse inference (a dense run uses it only
 there). The α tail is the lowest per-length-bin 5th percentile of α over the sparse rollouts, mean
 over steps; KV peak is the rollouts' measured peak as a share of dense's on the same rows.
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import yaml
 
-HERE = Path(__file__).parent
-MODES = ("dense", "geo-rs", "sparse-rl")
+# Rows in this order; any other mode found follows, by name.
+ORDER = ("dense", "naive-sparse", "sparse-rl", "geo-rs", "sparrow")
 
 
 def cell(values: list[float], form: str) -> str:
@@ -62,17 +65,21 @@ def row(budget: int, mode: str, found) -> str:
     return f"| {mode} | {budget} | {len(found)} | " + " | ".join(cells) + " |"
 
 
-def main() -> None:
+def main(study: Path) -> None:
     print("| mode | B | seeds | acc dense inf., step 0 | after | acc sparse inf., step 0 | after | "
-          "reward, steps 1-2 | steps 7-8 | α tail | KV peak / dense | step-1 veto | rejected tokens | "
+          "reward, first 2 steps | last 2 | α tail | KV peak / dense | step-1 veto | rejected tokens | "
           "step s | rollout / recompute / update s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for budget_dir in sorted(HERE.glob("b*"), key=lambda d: -int(d.name[1:])):
-        for mode in MODES:
+    for budget_dir in sorted(study.glob("b*"), key=lambda d: -int(d.name[1:])):
+        modes = sorted((d.name for d in budget_dir.iterdir() if d.is_dir()),
+                       key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
+        for mode in modes:
             found = runs(budget_dir, mode)
             if found:
                 print(row(int(budget_dir.name[1:]), mode, found))
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        sys.exit("usage: python docs/results/study_table.py STUDY_DIR  (e.g. docs/results/smollm2)")
+    main(Path(sys.argv[1]))
