@@ -147,7 +147,8 @@ def _sft_config(model_dir, task="pointer_walk"):
 
 def test_the_sft_loss_is_the_response_cross_entropy_of_plain_forwards():
     """Against one unpadded float64 forward per example: the mean negative log-likelihood of the demonstration and
-    EOS, prompt tokens excluded."""
+    EOS, prompt tokens excluded. The loss takes the LM head's logits in float32, as every log-prob of the learner
+    does (`model.forward.head_logits`), so the two agree to float32 rounding (4e-7 measured), not to 1e-10."""
     from sparserl.experiments.sft import _loss
     from sparserl.tasks.pointer_walk import PointerWalkTask
 
@@ -163,7 +164,7 @@ def test_the_sft_loss_is_the_response_cross_entropy_of_plain_forwards():
         for offset, token in enumerate(response):
             total -= logits[len(prompt) + offset - 1, token]
             count += 1
-    assert abs(float(_loss(model, tokenizer, examples).detach()) - float(total / count)) < 1e-10
+    assert abs(float(_loss(model, tokenizer, examples).detach()) - float(total / count)) < 2e-6
 
 
 def test_sft_stops_at_its_probe_and_saves_a_model_that_loads(tmp_path):

@@ -43,12 +43,11 @@ def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits of the model's LM head in float32 (float64 for a float64 model, which tests compare to 1e-10), with
-    its final soft-capping (Gemma-2/3), if it has one, taken as the model's forward takes it (in the head's dtype,
-    / cap, tanh, · cap): the logits the sampler drew from."""
+    """Float32 logits of the model's LM head, with its final soft-capping (Gemma-2/3), if it has one, taken as
+    the model's forward takes it (in the head's dtype, / cap, tanh, · cap): the logits the sampler drew from."""
     logits = model.get_output_embeddings()(hidden)
     cap = getattr(text_config(model), "final_logit_softcapping", None)
-    return (torch.tanh(logits / cap) * cap if cap else logits).to(torch.promote_types(logits.dtype, torch.float32))
+    return (torch.tanh(logits / cap) * cap if cap else logits).float()
 
 
 def position_chunks(rows: int, positions: int, vocab: int) -> list[slice]:
