@@ -30,7 +30,7 @@ from ..model.loading import load_policy
 from ..model.threads import set_threads
 from ..tasks.registry import max_new_tokens, task_from_config
 from ..train.evaluation import greedy_scores
-from .warmup import save_model
+from .warmup import optimizer_step, save_model
 
 PROBE_SEED_OFFSET = 1_000_003
 PROBE_ANSWERS_FILE = "probe_answers.jsonl"  # the saved probe's greedy answers, to read
@@ -58,11 +58,7 @@ def sft(config, settings: SFTConfig) -> dict:
     for step in tqdm(range(1, settings.steps + 1), desc="sft", unit="step"):
         model.train()
         loss = _loss(model, tokenizer, task.examples(settings.batch_size, seed=rng.randrange(2**31), split="train"))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+        optimizer_step(model, optimizer, schedule, loss)
         history.append({"step": step, "loss": float(loss.detach())})
         if step % settings.probe_every == 0:
             answers = []

@@ -66,7 +66,7 @@ def warmup(config: WarmupConfig) -> dict:
         low, high = stages[stage]
         model.train()
         loss = _sft_step(model, tokenizer, rng, low, high, config)
-        _optimizer_step(model, optimizer, schedule, loss)
+        optimizer_step(model, optimizer, schedule, loss)
         final = stage == len(stages) - 1
         every = 1 if step <= dense_probing_until else (config.final_probe_every if final else config.probe_every)
         if step % every:
@@ -120,7 +120,8 @@ def warmup(config: WarmupConfig) -> dict:
     return card
 
 
-def _optimizer_step(model, optimizer, schedule, loss: torch.Tensor) -> None:
+def optimizer_step(model, optimizer, schedule, loss: torch.Tensor) -> None:
+    """One clipped (norm 1.0) optimizer step on `loss`, then the schedule's; shared by both warm starts."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
