@@ -216,7 +216,7 @@ class Ours:
                 "optimizer_steps", "reward_mean")}})
 
     def result(self) -> dict:
-        self.trainer.logger.close()
+        self.trainer.close()
         args, records = self.args, self.records
         tokens = args.prompts * args.group * records[0]["response_len_mean"]
         out = summarize(records, "wall_s", tokens)

@@ -9,12 +9,12 @@ from sparserl.cli import main
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["calibrate", "--tau", "1.5"], "--tau 1.5 is out of range: τ is a probability"),
-    (["calibrate", "--tau", "0"], "--tau 0 is out of range"),
-    (["calibrate", "--bin-size", "0"], "--bin-size 0 is out of range"),
-    (["calibrate", "--prompts", "-1"], "--prompts -1 is out of range"),
-    (["calibrate", "--samples", "0"], "--samples 0 is out of range"),
-    (["calibrate", "--budgets", "32,-8"], "--budgets '32,-8': give one or more comma-separated integers >= 1"),
+    (["calibrate", "--alpha-tau", "1.5"], "alpha_tau must be in (0, 1]"),
+    (["calibrate", "--alpha-tau", "0"], "alpha_tau must be in (0, 1]"),
+    (["calibrate", "--alpha-bin-size", "0"], "alpha_bin_size must be >= 1"),
+    (["calibrate", "--calibration-prompts", "-1"], "--calibration-prompts -1 is out of range"),
+    (["calibrate", "--calibration-samples", "0"], "--calibration-samples 0 is out of range"),
+    (["calibrate", "--calibration-budgets", "32,-8"], "calibration_budgets must list budgets above kv_window"),
     (["eval", "--n", "0"], "--n 0 is out of range: the number of held-out prompts, at least 1"),
     (["eval", "--samples", "-1"], "--samples -1 is out of range"),
     (["sweep", "--n", "0"], "--n 0 is out of range"),

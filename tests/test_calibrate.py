@@ -22,8 +22,8 @@ def test_binned_schedule_by_hand():
 
 def test_calibrate_then_eval_with_the_schedule(tmp_path, capsys):
     out = tmp_path / "cal"
-    assert main(["calibrate", "--out", str(out), "--tau", "0.86", "--budgets", "32,64,96,160", "--prompts", "8",
-                 "--samples", "2", "--threads", "1"]) == 0
+    assert main(["calibrate", "--out", str(out), "--alpha-tau", "0.86", "--calibration-budgets", "32,64,96,160",
+                 "--calibration-prompts", "8", "--calibration-samples", "2", "--threads", "1"]) == 0
     for name in ("schedule.yaml", "tails.png", "calibration.md", "calibration.json"):
         assert (out / name).exists(), name
     schedule = yaml.safe_load((out / "schedule.yaml").read_text())

@@ -105,13 +105,42 @@ def test_eval_has_one_out_flag(capsys):
     assert len(re.findall(r"^  --out\b", text, flags=re.M)) == 1
 
 
-@pytest.mark.parametrize("command", ["eval", "sweep", "audit"])
-def test_inference_commands_list_only_what_they_use(capsys, command):
+# Flags no inference command reads: training's, Ray's, the speculative sampler's, the adaptive schedule's.
+NOT_READ_BY_INFERENCE = ("--lr", "--mode", "--steps", "--veto-threshold", "--checkpoint-every", "--group-size",
+                         "--prompts-per-step", "--ignore-eos", "--rollout-workers", "--rollout-backend",
+                         "--rollout-shards", "--ray-address", "--rollout-timeout", "--worker-gpus", "--worker-cpus",
+                         "--speculative", "--speculative-draft", "--draft-tokens", "--alpha-every",
+                         "--recalibrate-every")
+
+
+@pytest.mark.parametrize(("command", "takes", "refuses"), [
+    ("eval", ("--kv-budget", "--kv-schedule", "--temperature", "--alpha-bin-size"), ("--alpha-tau",)),
+    ("sweep", ("--budgets", "--temperature"), ("--kv-budget", "--kv-schedule", "--alpha-bin-size", "--alpha-tau")),
+    ("audit", ("--kv-budget", "--kv-schedule"), ("--temperature", "--alpha-bin-size", "--alpha-tau")),
+    ("calibrate", ("--alpha-tau", "--calibration-budgets", "--alpha-bin-size", "--calibration-prompts",
+                   "--calibration-samples", "--temperature"),
+     ("--kv-budget", "--kv-schedule", "--tau", "--budgets", "--bin-size", "--prompts", "--samples")),
+])
+def test_inference_commands_list_only_what_they_read(capsys, command, takes, refuses):
     entries = _entries(_help(capsys, command))
-    for flag in ("--kv-budget", "--model", "--difficulty", "--seed", "--temperature"):
+    for flag in ("--model", "--difficulty", "--seed", "--kv-policy", "--kv-window", "--rollout-kv-memory",
+                 "--max-concurrent-rows", *takes):
         assert flag in entries, flag
-    for flag in ("--lr", "--mode", "--steps", "--veto-threshold", "--checkpoint-every", "--group-size"):
-        assert flag not in entries, f"{flag} is a training option, not one of {command}'s"
+    for flag in NOT_READ_BY_INFERENCE + refuses:
+        assert flag not in entries, f"{command} --help lists {flag}, which it does not read"
+
+
+def test_a_flag_an_inference_command_does_not_read_is_refused(capsys, tmp_path):
+    """`eval --rollout-workers 2` once ran in this process without Ray installed, the flag read by nothing."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--out", str(tmp_path / "e.json"), "--rollout-workers", "2"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --rollout-workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["eval", "audit"])
+def test_an_adaptive_schedule_is_refused_by_inference(capsys, tmp_path, command):
+    assert main([command, "--out", str(tmp_path / "r.json"), "--kv-schedule", "adaptive"]) == 2
+    assert "adapts during training only" in capsys.readouterr().err
 
 
 def test_top_level_help_imports_neither_torch_nor_transformers():
@@ -255,3 +284,17 @@ def test_pass_at_k_hand_values():
     assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
     assert pass_at_k(3, 0, 3) == 0.0
     assert pass_at_k(3, 1, 3) == 1.0
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--draft-tokens", "6"], "--draft-tokens does nothing without --speculative true"),
+    (["--block-page-size", "32"], "--block-page-size does nothing without --sparsity block"),
+    (["--calibration-prompts", "8"], "--calibration-prompts does nothing without --recalibrate-every N"),
+    (["--worker-cpus", "2"], "--worker-cpus does nothing without --rollout-workers N"),
+    (["--distill-rank", "4"], "--distill-rank does nothing without --distill-sparse true"),
+])
+def test_a_training_setting_that_nothing_would_read_is_refused(capsys, tmp_path, flags, needle):
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1", *flags]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and needle in error
+    assert not (tmp_path / "run").exists()

@@ -453,3 +453,23 @@ def test_random_filter_fuzz_against_reference():
                                seq_k3_max=maybe(rng.uniform(0, 0.5)), seq_log_ratio_max=maybe(rng.uniform(0.5, 10)),
                                is_mode=rng.choice(MODES), is_level=rng.choice(LEVELS), batch_normalize=rng.random() < 0.5)
         _check_against_reference(*_random_batch(300 + seed, B=rng.randint(1, 7), T=rng.randint(1, 12)), cfg)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_batch_normalisation_over_several_processes_is_the_whole_batchs(level):
+    """A batch split between two processes, each normalising with `batch_total` summing both parts' totals (what
+    `accelerator.reduce` does): each part's weights are the whole batch's rows, as one process holding it all gets
+    them; normalising each part alone is not (the check compares something)."""
+    cfg = CorrectionConfig(is_level=level, batch_normalize=True)
+    old, smp, mask = _random_batch(11, B=8)
+    whole = compute_corrections(old, smp, mask, cfg)
+    parts = [slice(0, 3), slice(3, 8)]
+    unnormalised = CorrectionConfig(is_level=level, batch_normalize=False)
+    totals = [torch.stack([compute_corrections(old[p], smp[p], mask[p], unnormalised).weights.double().sum(),
+                           mask[p].double().sum()]) for p in parts]
+    for index, part in enumerate(parts):
+        other = totals[1 - index]
+        shared = compute_corrections(old[part], smp[part], mask[part], cfg, batch_total=lambda t: t + other)
+        torch.testing.assert_close(shared.weights, whole.weights[part], rtol=1e-6, atol=1e-12)
+        alone = compute_corrections(old[part], smp[part], mask[part], cfg)
+        assert not torch.allclose(alone.weights, whole.weights[part], rtol=1e-3)

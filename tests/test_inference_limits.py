@@ -27,8 +27,8 @@ def test_a_kv_memory_budget_below_one_row_is_refused_in_one_line(tiny_model_dir,
 
 
 def test_calibrate_refuses_a_kv_memory_budget_below_one_row(tmp_path, capsys):
-    argv = ["calibrate", "--out", str(tmp_path / "cal"), "--budgets", "32", "--prompts", "2", "--samples", "1",
-            "--threads", "1", "--rollout-kv-memory", "1KiB"]
+    argv = ["calibrate", "--out", str(tmp_path / "cal"), "--calibration-budgets", "32", "--calibration-prompts", "2",
+            "--calibration-samples", "1", "--threads", "1", "--rollout-kv-memory", "1KiB"]
     assert main(argv) == 2
     assert "holds no row" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import FAMILY_CASES, make_family, make_tiny_model, replay_logprobs
 
-from sparserl.model.forward import hidden_logprobs, micro_batches, response_hidden
+from sparserl.model.forward import hidden_logprobs, micro_batches, response_hidden, response_logprobs
 from sparserl.model.shared_prompt import causal_masks, prompt_groups, shared_prompt_hidden
 from sparserl.model.structure import layer_windows, text_config
 from sparserl.rollout.batch import SamplingConfig
@@ -145,3 +145,53 @@ def test_float32_agreement_on_the_built_in_model():
         plain = hidden_logprobs(model, response_hidden(model, ids, mask, width), ids[:, width:])[0]
         shared = hidden_logprobs(model, shared_prompt_hidden(model, ids, mask, width), ids[:, width:])[0]
     assert (plain - shared).abs()[mask[:, width:].bool()].max() <= 2e-5
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of `run()`."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize(("prompt", "response"), [(16, 64), (256, 256), (64, 1024), (1024, 1024), (512, 2048),
+                                                  (256, 4096), (1024, 4096)])
+def test_sharing_prompts_keeps_no_more_for_the_backward_than_the_plain_forward(prompt, response):
+    """Saved-for-backward bytes of a training forward (one layer, 6 query heads on 2 KV heads as SmolLM2's 9 on 3,
+    two groups of two rows, left padding), shared against plain, up to prompt 1k / response 4k: the shared forward
+    keeps its masks as [N, 1, T, S], not expanded over each query group ([N, Hkv, G·T, S] kept 1.4-1.8x the plain
+    forward's bytes at these shapes)."""
+    model, _ = make_tiny_model(hidden_size=96, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
+                               num_key_value_heads=2)
+    model.train()
+    generator = torch.Generator().manual_seed(prompt + response)
+    ids = torch.randint(4, 20, (4, prompt + response), generator=generator)
+    ids[1, :prompt], ids[3, :prompt] = ids[0, :prompt], ids[2, :prompt]
+    mask = torch.ones_like(ids)
+    mask[2:, :3] = 0
+    saved = {share: _saved_bytes(lambda: response_logprobs(model, ids, mask, prompt, share_prompts=share)[0].sum())
+             for share in (False, True)}
+    assert saved[True] <= saved[False]
+
+
+def test_a_rope_that_depends_on_the_length_falls_back_to_the_plain_forward():
+    """Dynamic NTK RoPE recomputes its frequencies from the longest position of the forward: a prompt-only forward
+    rotates the prompt otherwise than the whole sequence's does (0.24 apart in float64 on a Phi-3-128k shape), so
+    such a model computes every row's prompt again, and gets the plain forward's log-probs."""
+    model, _ = make_tiny_model(seed=3, max_position_embeddings=14, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    model = model.double()
+    ids, mask, width = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        plain = response_logprobs(model, ids, mask, width)[0]
+        shared = response_logprobs(model, ids, mask, width, share_prompts=True)[0]
+        two_parts = hidden_logprobs(model, shared_prompt_hidden(model, ids, mask, width), ids[:, width:])[0]
+    real = mask[:, width:].bool()
+    assert (shared - plain).abs()[real].max() <= 1e-12
+    assert (two_parts - plain).abs()[real].max() > 1e-6  # what sharing would have cost: the fallback matters

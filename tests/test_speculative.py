@@ -310,3 +310,20 @@ def test_a_groups_prompt_is_prefilled_once_and_samples_as_its_own_prefill_would(
     assert torch.equal(grouped.response_ids, separate.response_ids)
     torch.testing.assert_close(grouped.sampler_logprobs, separate.sampler_logprobs, atol=1e-9, rtol=0)
     assert grouped.speculation.acceptance_rate == separate.speculation.acceptance_rate < 1
+
+
+def test_dense_equivalent_bytes_are_the_engines_on_the_same_rows(model):
+    """Groups of rows sharing a prompt, the dense draft (so both samplers draw the same tokens): the KV figure a dense
+    cache of these rows would hold is the same number from either sampler, counted by hand: every row, every layer,
+    keys and values, the prompt width plus the longest response."""
+    prompts = [p[: 8 + 2 * i] for i, p in enumerate(_prompts(3, seed=7)) for _ in range(4)]
+    seeds = list(range(60, 60 + len(prompts)))
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, eos_token_id=3)
+    engine = RolloutEngine(model).generate(prompts, sampling, seeds=seeds)
+    speculative_batch = SpeculativeSampler(model, None, draft_tokens=3).generate(prompts, sampling, seeds=seeds)
+    assert torch.equal(engine.response_ids, speculative_batch.response_ids)
+    config = model.config
+    by_hand = (len(prompts) * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+               * next(model.parameters()).element_size()
+               * (max(map(len, prompts)) + int(engine.response_lengths.max())))
+    assert engine.kv.kv_dense_bytes == speculative_batch.kv.kv_dense_bytes == by_hand

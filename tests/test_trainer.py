@@ -168,8 +168,8 @@ def test_dense_rollouts_below_temperature_one_are_on_policy(tiny_model_dir, tmp_
 def test_speculative_rollouts_train_sparse_rl_as_dense_would(tiny_model_dir, tmp_path, draft):
     """Speculative samples are the dense policy's and record its log-probs: under sparse-rl's filters
     ξ = 1, nothing is vetoed or masked, and the step logs what the speculation did."""
-    extra = ("--speculative", "true", "--speculative-draft", draft, "--kv-budget", "12", "--block-page-size", "2",
-             "--block-dense-layers", "0", "--temperature", "0.8")
+    extra = ("--speculative", "true", "--speculative-draft", draft, "--kv-budget", "12", "--temperature", "0.8",
+             *(("--block-page-size", "2", "--block-dense-layers", "0") if draft == "block" else ()))
     assert main(_args(tiny_model_dir, tmp_path / draft, 1, "sparse-rl", extra)) == 0
     record = read_metrics(tmp_path / draft / "metrics.jsonl")[-1]
     assert record["kl_sampler_old"] < 1e-6 and abs(record["xi_min"] - 1) < 1e-4
@@ -337,3 +337,66 @@ def test_a_batch_without_signal_does_not_move_the_weights():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(state["state"][i]["exp_avg"], optimizer.state_dict()["state"][i]["exp_avg"])
                for i in state["state"])
+
+
+def test_a_run_that_fails_to_build_starts_no_rollout_workers(tiny_model_dir, tmp_path, monkeypatch):
+    """The rollout backend (a Ray cluster with --rollout-workers) starts last: a setting that fails while the run
+    builds (here the metrics logger) leaves nothing running and the run directory unlocked."""
+    from sparserl.config.schema import load_config
+    from sparserl.train import trainer as trainer_module
+
+    started = []
+    monkeypatch.setattr(trainer_module, "make_rollouts", lambda *args: started.append(args))
+
+    def broken_logger(*args, **kwargs):
+        raise RuntimeError("tracker unreachable")
+
+    monkeypatch.setattr(trainer_module, "MetricsLogger", broken_logger)
+    config = load_config(None, {"model": str(tiny_model_dir), "out": str(tmp_path / "run"), "log_with": "none",
+                                "difficulty": 4, "threads": 1})
+    with pytest.raises(RuntimeError, match="tracker unreachable"):
+        trainer_module.GRPOTrainer(config)
+    assert started == []
+    monkeypatch.undo()
+    trainer_module.GRPOTrainer(config).close()  # the directory was released: a second trainer takes it
+
+
+def test_closing_an_untrained_trainer_stops_its_rollout_workers(tiny_model_dir, tmp_path, monkeypatch):
+    from sparserl.config.schema import load_config
+    from sparserl.train import trainer as trainer_module
+
+    closed = []
+
+    class Backend:
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(trainer_module, "make_rollouts", lambda *args: Backend())
+    config = load_config(None, {"model": str(tiny_model_dir), "out": str(tmp_path / "run"), "log_with": "none",
+                                "difficulty": 4, "threads": 1})
+    trainer = trainer_module.GRPOTrainer(config)
+    trainer.close()
+    trainer.close()  # idempotent
+    assert closed == [True]
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_pi_old_is_the_samplers_policy_on_a_model_with_dropout(tmp_path, minibatches):
+    """With dropout in the model, every learner forward still runs as the sampler does (dropout off): the dense
+    sampler's recorded log-probs are π_old's, ξ = 1, on the fused path (one optimizer step, π_old from the update's
+    own forward) and on the separate recompute alike."""
+    from conftest import make_tiny_model
+
+    from sparserl.config.schema import load_config
+    from sparserl.train.trainer import GRPOTrainer
+
+    model, tokenizer = make_tiny_model(seed=2, attention_dropout=0.5)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    config = load_config(None, {"model": str(tmp_path / "model"), "out": str(tmp_path / "run"), "log_with": "none",
+                                "eval_every": 0, "difficulty": 4, "prompts_per_step": 4, "group_size": 4,
+                                "minibatches": minibatches, "kl_coef": 0.0, "threads": 1, "entropy_coef": 0.05})
+    trainer = GRPOTrainer(config)
+    record = trainer.train_step(1)
+    trainer.close()
+    assert record["kl_sampler_old"] < 1e-6 and record["xi_min"] == pytest.approx(1.0, abs=1e-4)

@@ -13,8 +13,11 @@ from conftest import make_tiny_model
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from sparserl.config.corrections import CorrectionConfig
 from sparserl.config.presets import PRESETS, load_preset
-from sparserl.integrations.trl import SparseGRPOTrainer, SparseRollouts
+from sparserl.errors import ConfigError
+from sparserl.integrations.trl import SparseGRPOTrainer, SparseRollouts, check_trainer, generation_seeds
+from sparserl.interop import corrections_from_trl
 from sparserl.learner.corrections import compute_corrections
 from sparserl.learner.grpo import ppo_loss, token_coefficients
 from sparserl.model.forward import response_logprobs
@@ -33,10 +36,11 @@ def _by_length(completions, **kwargs):
 
 
 def _config(tmp_path, loss_type="grpo", **extra) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=14, max_steps=1, report_to="none", use_cpu=True, bf16=False,
-                      save_strategy="no", logging_strategy="no", seed=0, gradient_checkpointing=False,
-                      loss_type=loss_type, **extra)
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=14, max_steps=1, report_to="none", use_cpu=True, bf16=False,
+                    save_strategy="no", logging_strategy="no", seed=0, gradient_checkpointing=False,
+                    loss_type=loss_type)
+    return GRPOConfig(**{**settings, **extra})
 
 
 def _rows() -> list[dict]:
@@ -199,3 +203,161 @@ def test_a_sparse_run_through_trl_learns_the_builtin_task(tmp_path):
     assert len(rewards) == 8 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
     assert sampled_reward() > before + 0.05
     assert all(0.3 < record["sparserl/kv_peak_frac"] < 1 and "sparserl/xi_mean" in record for record in logs)
+
+
+# ------------------------------------------------------------------------ honoured or refused, in one line
+def _preset_file(tmp_path) -> str:
+    """A user's preset: geo-rs's filter with wider bounds, token weights on; its fields read in YAML's own types
+    (a bound list, a float written without a dot, which YAML reads as a string)."""
+    path = tmp_path / "wide-geo.yaml"
+    path.write_text("base: geo-rs\ncorrection: {seq_geo_bounds: [0.5, 2.0], is_mode: truncate, is_cap: 3,\n"
+                    "             veto_threshold: 1e-6}\n")
+    return str(path)
+
+
+def test_a_yaml_presets_correction_fields_are_what_trl_trains_with(tmp_path):
+    """The trainer's resolved correction is the file's fields on its base, and the masks and weights it hands TRL
+    are `compute_corrections`' under that correction (not the base preset's, which the file's metrics would hide)."""
+    model, tokenizer = make_tiny_model(seed=2)
+    preset = _preset_file(tmp_path)
+    trainer = _trainer(SparseGRPOTrainer, model, tokenizer, tmp_path, rollout_func=SparseRollouts(**SPARSE),
+                       correction=preset)
+    expected_config = CorrectionConfig(veto_threshold=1e-6, band=None, seq_geo_bounds=(0.5, 2.0), is_mode="truncate",
+                                       is_cap=3.0, batch_normalize=False)
+    assert trainer.correction == expected_config
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(_rows())
+    mask = out["completion_mask"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    with torch.no_grad():
+        old, _ = response_logprobs(trainer.model, ids, torch.cat([out["prompt_mask"], mask], dim=1),
+                                   out["prompt_ids"].shape[1])
+    expected = compute_corrections(old, out["sampling_per_token_logps"], mask, expected_config)
+    assert torch.equal(out["tool_mask"], (mask * expected.keep_mask).to(mask.dtype))
+
+
+def test_a_yaml_presets_correction_reaches_the_interop_helpers(tmp_path):
+    old = torch.tensor([[-1.0, -1.2, -1.0], [-1.0, -3.0, -1.0]])
+    sampler = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.ones(2, 3)
+    batch = {"old_per_token_logps": old, "sampling_per_token_logps": sampler, "completion_mask": mask}
+    # Row 1's geometric-mean ξ is e^(-2/3) = 0.51: outside geo-rs's [0.905, 1.105], inside the file's [0.5, 2].
+    assert corrections_from_trl(batch, "geo-rs").seq_keep.tolist() == [True, False]
+    assert corrections_from_trl(batch, _preset_file(tmp_path)).seq_keep.tolist() == [True, True]
+
+
+def test_a_bad_field_in_a_preset_file_is_said_with_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("base: geo-rs\ncorrection: {is_cap: lots}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*is_cap"):
+        SparseGRPOTrainer(model=None, correction=str(path))
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("top_p", 0.9), ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("generation_kwargs", {"top_p": 0.5}),
+    ("cache_implementation", "static"), ("use_transformers_paged", True),
+    ("use_transformers_continuous_batching", True), ("vllm_gpu_memory_utilization", 0.5),
+    ("vllm_importance_sampling_mode", "token_truncate"), ("ds3_gather_for_generation", False)])
+def test_a_trl_generation_setting_the_sampler_cannot_honour_is_refused_at_construction(tmp_path, setting, value):
+    model, tokenizer = make_tiny_model()
+    dataset = Dataset.from_list([{"prompt": e.prompt} for e in TASK.examples(8, seed=0)])
+    with pytest.raises(ConfigError, match=setting):
+        SparseGRPOTrainer(model=model, reward_funcs=_by_length, args=_config(tmp_path, **{setting: value}),
+                          train_dataset=dataset, processing_class=tokenizer, rollout_func=SparseRollouts(**SPARSE))
+
+
+def test_a_correction_without_sampler_logprobs_is_refused(tmp_path):
+    model, tokenizer = make_tiny_model()
+    dataset = Dataset.from_list([{"prompt": e.prompt} for e in TASK.examples(8, seed=0)])
+    with pytest.raises(ConfigError, match="rollout_func=SparseRollouts"):
+        SparseGRPOTrainer(model=model, reward_funcs=_by_length, args=_config(tmp_path), train_dataset=dataset,
+                          processing_class=tokenizer, correction="geo-rs")
+
+
+def test_tools_are_refused_with_sparse_rollouts(tmp_path):
+    """TRL's tool loop would write the post-tool completions with its own sampler (a trainer with tools needs a
+    chat template this tokenizer lacks, so the check runs on the settings alone)."""
+    trainer = type("Trainer", (), {"args": _config(tmp_path), "tools": [len], "environment_factories": None,
+                                   "is_fsdp_enabled": False, "is_deepspeed_enabled": False})()
+    with pytest.raises(ConfigError, match="tool"):
+        check_trainer(trainer)
+
+
+@pytest.mark.parametrize(("keyword", "hint"), [("lr", "learning_rate"), ("mode", "correction="),
+                                               ("temperature", "GRPOConfig\\(temperature"),
+                                               ("rollout_workers", "not a sampler setting")])
+def test_sparse_rollouts_refuses_what_its_sampler_does_not_read(keyword, hint):
+    with pytest.raises(ConfigError, match=hint):
+        SparseRollouts(**{keyword: {"lr": 1e-5, "mode": "geo-rs", "temperature": 0.7, "rollout_workers": 2}[keyword]})
+
+
+@pytest.mark.parametrize("sampler", [{"dense": True}, {"speculative": True}])
+def test_alpha_is_refused_where_the_samples_are_the_dense_policys(sampler):
+    with pytest.raises(ConfigError, match="measure_alpha"):
+        SparseRollouts(measure_alpha=True, **sampler)
+
+
+def test_two_generation_batches_of_one_step_draw_different_completions(tmp_path):
+    """gradient_accumulation_steps=2 with steps_per_generation=1: the step generates twice, from the same weights
+    and (here) the same prompts; the two batches must be two draws, not one twice."""
+    model, tokenizer = make_tiny_model(seed=4)
+    prompt = TASK.examples(1, seed=0)[0].prompt
+    dataset = Dataset.from_list([{"prompt": prompt}] * 8)
+    args = _config(tmp_path, gradient_accumulation_steps=2, steps_per_generation=1, per_device_train_batch_size=4,
+                   learning_rate=0.0, shuffle_dataset=False)
+    rollouts = SparseRollouts(**SPARSE)
+    drawn = []
+
+    def recording(prompts, trainer):
+        out = rollouts(prompts, trainer)
+        drawn.append(out["completion_ids"])
+        return out
+
+    trainer = SparseGRPOTrainer(model=model, reward_funcs=_by_length, args=args, train_dataset=dataset,
+                                processing_class=tokenizer, rollout_func=recording, correction="sparse-rl")
+    trainer.train()
+    assert len(drawn) == 2 and drawn[0] != drawn[1]
+
+
+def test_a_resumed_run_draws_a_steps_generation_with_the_same_seeds(tmp_path):
+    """Seeds are a function of the run's state that a resumed run restores: the step, and the micro-step within it
+    (which restarts at every optimizer step, as a resumed trainer's count does)."""
+    def state(global_step, micro_steps_so_far):
+        trainer = type("Trainer", (), {})()
+        trainer.args, trainer.accelerator = _config(tmp_path), type("Accelerator", (), {"process_index": 0})()
+        trainer.state = type("State", (), {"global_step": global_step})()
+        trainer._step, trainer.current_gradient_accumulation_steps = micro_steps_so_far, 2
+        return trainer
+
+    uninterrupted = [generation_seeds(state(3, 6 + k), 4) for k in (0, 1)]
+    resumed = [generation_seeds(state(3, k), 4) for k in (0, 1)]
+    assert uninterrupted == resumed and uninterrupted[0] != uninterrupted[1]
+
+
+def test_speculative_rollouts_log_their_acceptance_and_kv_figures_per_row(tmp_path):
+    """The speculative sampler's statistics reach TRL's log, and its KV figures are per row: its peak is its dense
+    cache plus the slack that holds rejected drafts (about 1.1-1.2x), not a group's prompt counted once (4x)."""
+    model, tokenizer = make_tiny_model(seed=5)
+    trainer = _trainer(SparseGRPOTrainer, model, tokenizer, tmp_path, correction="dense",
+                       rollout_func=SparseRollouts(speculative=True, speculative_draft="window", kv_budget=10))
+    trainer.model.train()
+    trainer._generate_and_score_completions(_rows())
+    logged = trainer._metrics["train"]
+    assert logged["sparserl/spec_acceptance_rate"] and logged["sparserl/spec_tokens_per_verification"]
+    assert 1.0 <= logged["sparserl/kv_peak_frac"][0] < 1.5
+
+
+def test_every_grpo_setting_is_read_applied_or_refused():
+    """TRL 1.16's GRPOConfig settings (beyond transformers' TrainingArguments), each in exactly one class: read by
+    the sampler, applied by TRL around it, or refused because only TRL's own sampler would read it."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from sparserl.integrations import trl as ours
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    for name in (f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base):
+        classes = [name in ours.SAMPLER_READS, name in ours.TRL_APPLIES,
+                   name in ours.TRL_GENERATION_ONLY or name.startswith("vllm_")]
+        assert sum(classes) == 1, f"GRPOConfig.{name}: in {sum(classes)} classes"

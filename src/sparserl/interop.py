@@ -23,12 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from .config.corrections import CorrectionConfig
-from .config.presets import load_preset
+from .config.presets import correction_for
 from .learner.corrections import Corrections, compute_corrections
-
-
-def _config(correction: CorrectionConfig | str) -> CorrectionConfig:
-    return load_preset(correction).correction if isinstance(correction, str) else correction
 
 
 def _take(batch: Mapping, key: str, library: str) -> torch.Tensor:
@@ -41,19 +37,19 @@ def _take(batch: Mapping, key: str, library: str) -> torch.Tensor:
 
 def corrections_from_trl(batch: Mapping, correction: CorrectionConfig | str = "sparse-tis",
                          old: torch.Tensor | None = None) -> Corrections:
-    """Corrections for a TRL GRPO batch. `correction`: a preset name or a `CorrectionConfig`.
+    """Corrections for a TRL GRPO batch. `correction`: a preset's name, a preset YAML file or a `CorrectionConfig`.
 
     Tensors are [B, T] over the completion tokens; `old` overrides `old_per_token_logps`.
     """
     logp_old = old if old is not None else _take(batch, "old_per_token_logps", "TRL")
     return compute_corrections(logp_old, _take(batch, "sampling_per_token_logps", "TRL"),
-                               _take(batch, "completion_mask", "TRL"), _config(correction))
+                               _take(batch, "completion_mask", "TRL"), correction_for(correction))
 
 
 def corrections_from_verl(batch: Mapping, correction: CorrectionConfig | str = "sparse-tis") -> Corrections:
     """Corrections for a verl batch (`DataProto.batch`, or any mapping with its keys); [B, T] tensors."""
     return compute_corrections(_take(batch, "old_log_probs", "verl"), _take(batch, "rollout_log_probs", "verl"),
-                               _take(batch, "response_mask", "verl"), _config(correction))
+                               _take(batch, "response_mask", "verl"), correction_for(correction))
 
 
 # --------------------------------------------------------------------------------- verl's settings
@@ -77,7 +73,7 @@ def verl_rollout_correction(correction: CorrectionConfig | str) -> VerlSettings:
     guard `seq_max_k2` at (ln 1/τ)² / 2, which rejects a sequence holding a token with ξ < τ, as the veto does,
     and also one holding a token with ξ > 1/τ, which ours keeps.
     """
-    config = _config(correction)
+    config = correction_for(correction)
     settings: dict = {"bypass_mode": False, "rollout_is": None, "rollout_rs": None}
     rejections: list[tuple[str, str | float]] = []
     notes: list[str] = []

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import check_ranges, command, config_from_args, inference_arguments
+from .base import (
+    check_ranges,
+    command,
+    config_from_args,
+    inference_arguments,
+    inference_fields,
+    refuse_adaptive_schedule,
+)
 
 
 def _arguments(sub) -> None:
-    inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)")
+    # Greedy rollouts: no temperature.
+    inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)",
+                        inference_fields())
 
 
 @command("audit",
@@ -19,7 +28,9 @@ def _audit(args) -> int:
 
     check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1")})
 
-    result = run_audit(config_from_args(args), n=args.n)
+    config = config_from_args(args)
+    refuse_adaptive_schedule(config, "audit")
+    result = run_audit(config, n=args.n)
     write_audit(result, Path(args.out))
     print(audit_table(result))
     return 0

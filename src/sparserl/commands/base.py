@@ -30,23 +30,27 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
     return register
 
 
-# The config fields each inference-only command uses: the model, the task, the sampler and its cache.
-INFERENCE_FIELDS = ("model", "task", "rollout", "seed")
-SAMPLER_ONLY = ("prompts_per_step", "group_size", "ignore_eos")
-
-
 def common_arguments(sub: argparse.ArgumentParser, out_help: str | None = None) -> None:
     sub.add_argument("--config", metavar="FILE", help="YAML config applied before the flags")
     if out_help:
         sub.add_argument("--out", required=True, metavar="FILE.json", help=out_help)
 
 
-def inference_arguments(sub, out_help: str) -> None:
+def inference_fields(*rollout: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The config flags of an inference command: the model and the task sections, the seed, the sparse sampler's
+    settings and the limits on rows in flight (`config.schema`), the rollout fields `rollout` it also reads, less
+    `skip`. None of training's, Ray's, the speculative sampler's or an adaptive schedule's."""
+    from ..config.schema import ROW_LIMIT_FIELDS, SPARSITY_FIELDS
+
+    return tuple(f for f in ("model", "task", "seed", *SPARSITY_FIELDS, *ROW_LIMIT_FIELDS, *rollout) if f not in skip)
+
+
+def inference_arguments(sub, out_help: str, fields: tuple[str, ...]) -> None:
     from ..config.flags import add_config_arguments
 
     common_arguments(sub, out_help)
     sub.add_argument("--n", type=int, default=200, help="held-out prompts (default: 200)")
-    add_config_arguments(sub, only=INFERENCE_FIELDS, skip=("out",) + SAMPLER_ONLY)
+    add_config_arguments(sub, only=fields)
 
 
 def config_from_args(args):
@@ -56,8 +60,18 @@ def config_from_args(args):
     return load_config(args.config, overrides_from_args(args))
 
 
+def refuse_adaptive_schedule(config, command: str) -> None:
+    """An adaptive schedule moves the budget between training steps from the α it measures: an inference command
+    would only ever sample at its starting budget."""
+    from ..errors import ConfigError
+
+    if config.rollout.kv_schedule == "adaptive":
+        raise ConfigError(f"sparserl {command}: --kv-schedule adaptive adapts during training only; give a fixed "
+                          "--kv-budget or a calibrated schedule file (`sparserl calibrate`)")
+
+
 def int_list(text: str, flag: str, minimum: int) -> list[int]:
-    from ..config.schema import coerce
+    from ..config.values import coerce
     from ..errors import ConfigError
 
     values = [coerce(item.strip(), int, flag) for item in text.split(",") if item.strip()]

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import (
-    INFERENCE_FIELDS,
-    SAMPLER_ONLY,
-    check_ranges,
-    command,
-    common_arguments,
-    config_from_args,
-    int_list,
-)
+from .base import check_ranges, command, common_arguments, config_from_args, inference_fields
+
+# The calibration's own settings are the config's (`train --recalibrate-every` runs the same search with them): one
+# flag each, and a config file sets them too.
+CALIBRATION_FIELDS = ("alpha_tau", "calibration_budgets", "alpha_bin_size", "calibration_prompts",
+                      "calibration_samples")
 
 
 def _arguments(sub) -> None:
@@ -21,30 +18,27 @@ def _arguments(sub) -> None:
     common_arguments(sub)
     sub.add_argument("--out", required=True, metavar="DIR",
                      help="where schedule.yaml, tails.png, calibration.md and calibration.json go")
-    sub.add_argument("--tau", type=float, default=0.86, help="the tail a bin's budget must reach (default: 0.86)")
-    sub.add_argument("--budgets", default="24,32,40,48,56,64,72,80,96,128", metavar="B,B,...",
-                     help="comma-separated KV budgets to try (default: 24,32,...,128)")
-    sub.add_argument("--bin-size", type=int, default=16, help="cached-length bin in tokens (default: 16)")
-    sub.add_argument("--prompts", type=int, default=32, help="calibration prompts, from the train split (default: 32)")
-    sub.add_argument("--samples", type=int, default=4, help="sampled rollouts per prompt (default: 4)")
-    add_config_arguments(sub, only=INFERENCE_FIELDS, skip=("out", "kv_budget", "kv_schedule") + SAMPLER_ONLY)
+    # It tries the budgets of --calibration-budgets, under the sampled rollouts' temperature.
+    add_config_arguments(sub, only=inference_fields("temperature", *CALIBRATION_FIELDS,
+                                                    skip=("kv_budget", "kv_schedule")))
 
 
 @command("calibrate",
          "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
          _arguments)
 def _calibrate(args) -> int:
+    from ..config.schema import calibration_budgets
     from ..experiments.calibrate import calibration_table, run_calibration
+    from ..train.layout import CALIBRATION_PLOT_FILE, SCHEDULE_FILE
 
-    check_ranges(args, {"tau": (1e-9, 1.0, "τ is a probability: the α tail to reach, in (0, 1] (Sparrow uses 0.86)"),
-                        "bin_size": (1, float("inf"), "a bin of cached length, at least 1 token"),
-                        "prompts": (1, float("inf"), "calibration prompts, at least 1"),
-                        "samples": (1, float("inf"), "sampled rollouts per prompt, at least 1")})
-
-    budgets = int_list(args.budgets, "budgets", minimum=1)
-    result = run_calibration(config_from_args(args), Path(args.out), budgets, tau=args.tau,
-                             bin_size=args.bin_size, prompts=args.prompts, samples=args.samples)
+    config = config_from_args(args)
+    rollout = config.rollout
+    check_ranges(rollout, {"calibration_prompts": (1, float("inf"), "calibration prompts, at least 1"),
+                           "calibration_samples": (1, float("inf"), "sampled rollouts per prompt, at least 1")})
+    result = run_calibration(config, Path(args.out), calibration_budgets(rollout), tau=rollout.alpha_tau,
+                             bin_size=rollout.alpha_bin_size, prompts=rollout.calibration_prompts,
+                             samples=rollout.calibration_samples)
     print(calibration_table(result))
     out = Path(args.out)
-    print(f"\nschedule: {out / 'schedule.yaml'} (use it with --kv-schedule); plot: {out / 'tails.png'}")
+    print(f"\nschedule: {out / SCHEDULE_FILE} (use it with --kv-schedule); plot: {out / CALIBRATION_PLOT_FILE}")
     return 0

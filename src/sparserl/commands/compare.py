@@ -26,7 +26,7 @@ def _arguments(sub) -> None:
 def _compare(args) -> int:
     from ..config.flags import overrides_from_args
     from ..config.presets import DEFAULT_COMPARE, PresetError, load_preset
-    from ..config.schema import load_config
+    from ..config.schema import load_config, switched_off
     from ..experiments.compare import run_compare
 
     overrides = overrides_from_args(args)
@@ -38,7 +38,7 @@ def _compare(args) -> int:
         except PresetError:
             dense = False  # run_compare names the unknown mode
         if dense:  # DistillSparse and recalibration belong to sparse samplers; the dense baseline runs without
-            settings.update(distill_sparse=False, recalibrate_every=0)
+            settings.update(switched_off("distill_sparse", "recalibrate_every"))
         return load_config(args.config, settings)
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

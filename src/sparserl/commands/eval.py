@@ -5,11 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .base import check_ranges, command, inference_arguments, write_json
+from .base import (
+    check_ranges,
+    command,
+    inference_arguments,
+    inference_fields,
+    refuse_adaptive_schedule,
+    write_json,
+)
 
 
 def _arguments(sub) -> None:
-    inference_arguments(sub, "where to write the results")
+    # The sampled rollouts of pass@k read the temperature; sparse inference measures α per cached-length bin.
+    inference_arguments(sub, "where to write the results", inference_fields("temperature", "alpha_bin_size"))
     sub.add_argument("--samples", type=int, default=8, help="samples per prompt for pass@k (default: 8; 0: none)")
     sub.add_argument("--inference", choices=["dense", "sparse", "both"], default=None,
                      help="dense or sparse (compressed KV) decoding, or both; default dense, or sparse when a --kv-* "
@@ -25,6 +33,7 @@ def _eval(args) -> int:
                         "samples": (0, float("inf"), "samples per prompt for pass@k, 0 (none) or more")})
     overrides = overrides_from_args(args)
     config = config_for_eval(args.config, overrides)
+    refuse_adaptive_schedule(config, "eval")
     inference = args.inference or ("sparse" if any(k.startswith("kv_") for k in overrides) else "dense")
     result = run_eval(config, n=args.n, samples=args.samples, inference=inference)
     write_json(Path(args.out), result)

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import check_ranges, command, config_from_args, inference_arguments, int_list
+from .base import (
+    check_ranges,
+    command,
+    config_from_args,
+    inference_arguments,
+    inference_fields,
+    int_list,
+)
 
 
 def _arguments(sub) -> None:
-    inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)")
+    # --budgets is the budget; the sampled rollouts that measure the veto read the temperature.
+    inference_arguments(sub, "where to write the results (a Markdown table goes beside it, FILE.md)",
+                        inference_fields("temperature", skip=("kv_budget", "kv_schedule")))
     sub.add_argument("--budgets", default="24,32,40,48,56,64,72,80,88,96", metavar="B,B,...",
                      help="comma-separated KV budgets (default: 24,32,...,96)")
     sub.add_argument("--sample-prompts", type=int, default=16,
@@ -18,6 +27,7 @@ def _arguments(sub) -> None:
 
 @command("sweep", "accuracy, veto rate and KV saved at each KV budget; names the two regimes", _arguments)
 def _sweep(args) -> int:
+    from ..errors import ConfigError
     from ..experiments.sweep import run_sweep, sweep_table, write_sweep
 
     check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
@@ -25,7 +35,11 @@ def _sweep(args) -> int:
                         "samples": (1, float("inf"), "samples per prompt, at least 1")})
 
     budgets = int_list(args.budgets, "budgets", minimum=1)
-    result = run_sweep(config_from_args(args), budgets, n=args.n, samples=args.samples,
+    config = config_from_args(args)
+    if config.rollout.kv_schedule:
+        raise ConfigError(f"sparserl sweep tries the fixed budgets of --budgets; the config's kv_schedule "
+                          f"({config.rollout.kv_schedule}) would override them: leave it out")
+    result = run_sweep(config, budgets, n=args.n, samples=args.samples,
                        sample_prompts=args.sample_prompts)
     write_sweep(result, Path(args.out))
     print(sweep_table(result))

@@ -25,7 +25,8 @@ def _arguments(sub) -> None:
 def _warmup(args) -> int:
     import typing
 
-    from ..config.schema import WarmupConfig, coerce
+    from ..config.schema import WarmupConfig
+    from ..config.values import coerce
     from ..experiments.warmup import warmup
 
     hints = typing.get_type_hints(WarmupConfig)

@@ -15,14 +15,17 @@ paper has it; the `sparrow` preset carries the recommended correction (docs/resu
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from ..errors import ConfigError
 from .corrections import CorrectionConfig
+from .values import coerce
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,6 @@ class Preset:
     # (Sparse-RL as its paper runs it), recommended (our choice of correction); "" for the others.
     role: str = ""
     compared_by_default: bool = False  # one of `sparserl compare`'s default --modes
-    # A YAML preset's correction fields as written (the config module coerces them); empty for built-ins.
-    correction_overrides: dict = dataclasses.field(default_factory=dict)
 
 
 def _builtin(name: str, sparse: bool, make: Callable[[], CorrectionConfig], summary: str, colour: str,
@@ -117,10 +118,31 @@ def load_preset(mode: str) -> Preset:
     sparse = data.get("sparse_rollouts", parent.sparse_rollouts if parent else None)
     if not isinstance(sparse, bool):
         raise PresetError(f"preset file {path}: sparse_rollouts must be true or false, got {sparse!r}")
-    return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse,
-                  correction=parent.correction if parent else CorrectionConfig.off(),
+    try:
+        correction = with_fields(parent.correction if parent else CorrectionConfig.off(), overrides)
+    except ConfigError as error:
+        raise PresetError(f"preset file {path}: correction: {error}") from None
+    return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse, correction=correction,
                   summary=str(data.get("summary", f"user preset from {path}")),
-                  needs_schedule=parent.needs_schedule if parent else False, correction_overrides=dict(overrides))
+                  needs_schedule=parent.needs_schedule if parent else False)
+
+
+def with_fields(correction: CorrectionConfig, fields: dict[str, Any]) -> CorrectionConfig:
+    """`correction` with `fields` (as written in YAML or on a command line) set on top, coerced and validated."""
+    hints = typing.get_type_hints(CorrectionConfig)
+    given = {key: coerce(value, hints[key], key) for key, value in fields.items()}
+    return CorrectionConfig(**{**dataclasses.asdict(correction), **given})
+
+
+def correction_for(mode: str | CorrectionConfig, fields: dict[str, Any] | None = None) -> CorrectionConfig:
+    """The one resolver of a correction: a built-in preset's or a preset file's (its `correction:` fields on its
+    base's), with `fields` (a config file's or the flags') on top; a `CorrectionConfig` is taken as it is.
+    `sparserl train`, the interop helpers and the TRL integration all ask here."""
+    if isinstance(mode, CorrectionConfig):
+        if fields:
+            raise ValueError("give either a CorrectionConfig or correction fields to set on a preset, not both")
+        return mode
+    return with_fields(load_preset(mode).correction, fields or {})
 
 
 def preset_name(mode: str) -> str:

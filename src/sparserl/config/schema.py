@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
+from collections.abc import Callable
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
@@ -23,7 +23,8 @@ from ..rollout.sizes import parse_memory
 from ..rollout.sparsity.policies import build_policy, policy_options
 from ..tasks.registry import TASK_OPTIONS, task_class
 from .corrections import CorrectionConfig
-from .presets import PRESETS, PresetError, load_preset
+from .presets import PRESETS, correction_for, load_preset
+from .values import coerce
 
 MODES: tuple[str, ...] = tuple(PRESETS)
 
@@ -94,6 +95,14 @@ RolloutConfig = dataclasses.make_dataclass(
                       for o in policy_options().values()], bases=(RolloutConfig,))
 RolloutConfig.__module__ = __name__
 
+# Rollout settings grouped by what reads them, so that a command or an integration takes the groups it honours and
+# no other flag: the sparse sampler's (KV eviction or block attention, each KV policy's own options), the limits on
+# rows decoding at once, and the lossless speculative sampler's.
+SPARSITY_FIELDS = ("sparsity", "kv_policy", "kv_budget", "kv_window", "kv_interval", "kv_schedule", "kv_per_head",
+                   "block_page_size", "block_dense_layers", *policy_options())
+ROW_LIMIT_FIELDS = ("rollout_kv_memory", "max_concurrent_rows")
+SPECULATIVE_FIELDS = ("speculative", "speculative_draft", "draft_tokens")
+
 
 @dataclass
 class TrainConfig:
@@ -143,6 +152,7 @@ class WarmupConfig:
     """`sparserl warmup`: the supervised warm start of the built-in model (see `sparserl.experiments.warmup`)."""
 
     out: str = "warmup-model"  # where the model directory is written
+    overwrite: bool = False  # replace --out if it exists (else the command refuses before training)
     seed: int = 0  # model initialisation and the demonstration stream
     letters: int = 26  # the target task's difficulty (longest cycle)
     batch_size: int = 32  # demonstrations per step
@@ -163,20 +173,60 @@ class WarmupConfig:
         default_factory=lambda: [(3, 8, 0.9), (3, 14, 0.9)])
     threads: int = 1  # torch threads (fixed, so that the same seed gives the same weights)
 
+    def __post_init__(self) -> None:
+        _check_warm_start(self, ("batch_size", "warmup_steps", "max_steps", "probe_every", "final_probe_every",
+                                 "stage_probe_examples", "probe_examples", "threads", "letters"))
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay {self.weight_decay} must be >= 0")
+
 
 @dataclass
 class SFTConfig:
-    """`sparserl sft`: a short supervised warm start of a model on a task's demonstrations (`experiments/sft.py`)."""
+    """`sparserl sft`: a short supervised warm start of a model on a task's demonstrations (`experiments/sft.py`).
+    A config file sets these under `sft:`."""
 
     out: str = "sft-model"  # where the warm-started model directory is written
+    overwrite: bool = False  # replace --out if it exists (else the command refuses before training)
     steps: int = 300  # the most optimizer steps
     batch_size: int = 8  # demonstrations per step (fresh training examples every step)
     lr: float = 5e-5  # AdamW learning rate
     warmup_steps: int = 10  # linear learning-rate warm-up
     probe_every: int = 20  # steps between held-out greedy probes
     probe_examples: int = 40  # held-out prompts per probe
-    stop_at: float = 0.15  # stop at the first probe whose held-out greedy accuracy reaches this...
-    band_high: float = 0.6  # ...and refuse one past this (RL needs room to improve)
+    band_low: float = 0.15  # the band of held-out greedy accuracy the kept model must be in (RL needs room)...
+    band_high: float = 0.6  # ...(upper end)
+    stop_at: float = 0.15  # stop at the first probe in the band at or above this
+
+    def __post_init__(self) -> None:
+        _check_warm_start(self, ("steps", "batch_size", "warmup_steps", "probe_every", "probe_examples"))
+
+
+@dataclass(frozen=True)
+class Band:
+    """Held-out greedy accuracy a warm-started model must have: in [low, high], stopping at the first probe at or
+    above `stop_at` (`experiments.supervised`)."""
+
+    low: float
+    high: float
+    stop_at: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.low <= self.stop_at <= self.high <= 1.0:
+            raise ConfigError(f"the accuracy band must satisfy 0 <= --band-low ({self.low}) <= --stop-at "
+                              f"({self.stop_at}) <= --band-high ({self.high}) <= 1: a stop outside the band can "
+                              "never be reached")
+
+
+def _check_warm_start(settings, counts: tuple[str, ...]) -> None:
+    """A warm start's settings, each named by its flag: counts of at least 1, a positive learning rate, and a band
+    whose stop lies inside it."""
+    for name in counts:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value!r} must be an integer >= 1")
+    if not settings.lr > 0:
+        raise ConfigError(f"--lr {settings.lr!r} must be > 0")
+    Band(settings.band_low, settings.band_high, settings.stop_at)
 
 
 def field_help(cls: type) -> dict[str, str]:
@@ -225,60 +275,6 @@ def field_index() -> dict[str, tuple[str, Any, Any]]:
     return index
 
 
-def coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert `value` (from YAML or a command line string) to `annotation`, or raise ConfigError."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return coerce(value, option, key)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(errors[0] if errors else f"{key}: {value!r} is not allowed")
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
-    if origin is tuple:
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or len(items) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} comma-separated values, got {value!r}")
-        return tuple(coerce(v, a, key) for v, a in zip(items, args))
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(as_float)
-    if annotation is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if annotation is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {annotation}")
-
-
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
     """Defaults, then the YAML file, then `overrides` (leaf name -> value, e.g. from the CLI)."""
     values: dict[str, Any] = {}
@@ -297,7 +293,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         sections[section][name] = coerce(raw, annotation, name)
     try:
         built = {name: cls(**sections[name]) for name, cls in _sections().items() if name != "correction"}
-        built["correction"] = resolve_correction(built["train"].mode, sections["correction"])
+        built["correction"] = correction_for(built["train"].mode, sections["correction"])
     except (TypeError, ValueError) as error:
         raise ConfigError(str(error)) from None
     config = ExperimentConfig(**built)
@@ -307,17 +303,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         config.rollout.kv_schedule = "adaptive"
     validate(config)
     return config
-
-
-def resolve_correction(mode: str, explicit: dict[str, Any]) -> CorrectionConfig:
-    """The mode's preset corrections, with the fields given explicitly (config file, flags) on top."""
-    try:
-        preset = load_preset(mode)
-    except PresetError as error:
-        raise ConfigError(str(error)) from None
-    hints = typing.get_type_hints(CorrectionConfig)
-    from_file = {key: coerce(value, hints[key], key) for key, value in preset.correction_overrides.items()}
-    return CorrectionConfig(**{**dataclasses.asdict(preset.correction), **from_file, **explicit})
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -340,6 +325,46 @@ def read_yaml(path: Path) -> dict[str, Any]:
         else:
             flat[key] = value
     return flat
+
+
+# Training settings that only another one turns on: (the setting that turns them on, the settings it turns on, whether
+# they are on, what turns them on said as flags). Set away from their default while off, nothing would read them:
+# `check_training_settings` refuses that. Inference commands read some of them on their own terms (calibrate's
+# calibration_*), so `validate` does not.
+DEPENDENT_SETTINGS: tuple[tuple[str, tuple[str, ...], Callable[[ExperimentConfig], bool], str], ...] = (
+    ("speculative", ("speculative_draft", "draft_tokens"), lambda c: c.rollout.speculative, "--speculative true"),
+    ("sparsity", ("block_page_size", "block_dense_layers"),
+     lambda c: c.rollout.sparsity == "block" or (c.rollout.speculative and c.rollout.speculative_draft == "block"),
+     "--sparsity block or a block-sparse speculative draft"),
+    ("recalibrate_every", ("calibration_budgets", "calibration_prompts", "calibration_samples"),
+     lambda c: c.rollout.recalibrate_every > 0, "--recalibrate-every N"),
+    ("rollout_workers", ("ray_address", "rollout_timeout", "worker_gpus", "worker_cpus"),
+     lambda c: c.rollout.rollout_workers > 0, "--rollout-workers N"),
+    ("distill_sparse", ("distill_rank", "distill_alpha", "distill_lr", "distill_kl_coef", "distill_target_modules"),
+     lambda c: c.train.distill_sparse, "--distill-sparse true"),
+)
+
+
+def check_training_settings(config: ExperimentConfig) -> None:
+    """Refuse a training run's setting that nothing would read (`DEPENDENT_SETTINGS`), naming what turns it on."""
+    index = field_index()
+    for _, names, turned_on, by in DEPENDENT_SETTINGS:
+        if turned_on(config):
+            continue
+        for name in names:
+            section, _, default = index[name]
+            if getattr(getattr(config, section), name) != default:
+                raise ConfigError(f"--{name.replace('_', '-')} does nothing without {by}; set that too, or leave "
+                                  f"--{name.replace('_', '-')} out")
+
+
+def switched_off(*settings: str) -> dict[str, Any]:
+    """Overrides that turn `settings` (DEPENDENT_SETTINGS' first names) off, with every setting they turn on back at
+    its default: what `compare` gives its dense baseline, which runs no DistillSparse and no recalibration."""
+    index = field_index()
+    names = [name for enabler, dependents, _, _ in DEPENDENT_SETTINGS if enabler in settings
+             for name in (enabler, *dependents)]
+    return {name: index[name][2] for name in names}
 
 
 def validate(config: ExperimentConfig) -> None:
@@ -408,8 +433,6 @@ def validate(config: ExperimentConfig) -> None:
     total = config.rollout.prompts_per_step * config.rollout.group_size
     if total % config.train.minibatches:
         raise ConfigError(f"minibatches ({config.train.minibatches}) must divide prompts_per_step x group_size ({total})")
-
-
 
 
 def calibration_budgets(rollout: RolloutConfig) -> list[int]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..rollout.sparsity.budgets import BinnedBudget
 from ..train.calibration import calibrate_schedule
+from ..train.layout import CALIBRATION_FILE, CALIBRATION_PLOT_FILE, CALIBRATION_TABLE_FILE, SCHEDULE_FILE
 from .eval import held_out
 
 
@@ -39,14 +40,14 @@ def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size:
     found = calibrate_schedule(setup.model, setup.tokenizer, setup.max_new_tokens, config.rollout, examples, budgets,
                                tau, bin_size, samples, config.train.seed, quantile)
     out.mkdir(parents=True, exist_ok=True)
-    found.schedule.to_yaml(out / "schedule.yaml", tau=tau, quantile=quantile, policy=config.rollout.kv_policy,
+    found.schedule.to_yaml(out / SCHEDULE_FILE, tau=tau, quantile=quantile, policy=config.rollout.kv_policy,
                            window=config.rollout.kv_window, interval=config.rollout.kv_interval)
     result = {"tau": tau, "bin_size": bin_size, "quantile": quantile, "prompts": prompts, "samples": samples,
               "tails": {str(b): t for b, t in found.fixed_tails.items()}, "schedule": list(found.schedule.budgets),
               "schedule_tails": found.schedule_tails, "unmet_bins": found.unmet_bins}
-    (out / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "calibration.md").write_text(calibration_table(result) + "\n")
-    _plot(out / "tails.png", found.fixed_tails, found.schedule_tails, tau, found.schedule)
+    (out / CALIBRATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    (out / CALIBRATION_TABLE_FILE).write_text(calibration_table(result) + "\n")
+    _plot(out / CALIBRATION_PLOT_FILE, found.fixed_tails, found.schedule_tails, tau, found.schedule)
     return result
 
 

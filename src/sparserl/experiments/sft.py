@@ -3,13 +3,11 @@ has room to improve.
 
 A real model rarely writes a task's exact answer format unprompted (SmolLM2-135M-Instruct wrote a correct
 running total over 8 numbers in 0 of 12 greedy answers): a few supervised steps on the task's demonstrations teach
-the format, as the built-in model's warm-up does (`warmup.py`). Each step takes a fresh batch of training
-examples, the loss is the cross-entropy of the response tokens (the demonstration, then the tokenizer's EOS, so
-that the model learns to stop), AdamW with a linear warm-up. Every `probe_every` steps the greedy accuracy on
-held-out examples (the task's own reward) is measured; training stops at the first probe whose accuracy reaches
-`stop_at` and is at most `band_high` (a start that RL can still improve), and the model of that probe is saved,
-with a card of every probe. A probe past the band is refused: the run says so and saves nothing, so that a model
-that learnt the task is never handed to a study as its start.
+the format, as the built-in model's warm-up does (`warmup.py`), under the same band rule (`supervised.py`). Each
+step takes a fresh batch of training examples, the loss is the cross-entropy of the response tokens (the
+demonstration, then the tokenizer's EOS, so that the model learns to stop), AdamW with a linear warm-up. Every
+`probe_every` steps the greedy accuracy on held-out examples (the task's own reward) is measured; the kept model is
+saved on the model's device's weights, with a card of every probe and the kept probe's answers, to read.
 """
 
 from __future__ import annotations
@@ -21,23 +19,25 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from ..config.schema import SFTConfig
+from ..config.schema import Band, SFTConfig
 from ..errors import UserError
 from ..model.forward import response_logprobs
-from ..model.loading import load_policy
+from ..model.loading import load_policy, resolve_device
 from ..model.threads import set_threads
 from ..tasks.registry import max_new_tokens, task_from_config
 from ..train.evaluation import greedy_scores
-from .warmup import optimizer_step, save_model
+from ..train.layout import MODEL_CARD_FILE, PROBE_ANSWERS_FILE
+from .supervised import check_output_dir, save_model, warm_start
 
 PROBE_SEED_OFFSET = 1_000_003
-PROBE_ANSWERS_FILE = "probe_answers.jsonl"  # the saved probe's greedy answers, to read
+
 
 def sft(config, settings: SFTConfig) -> dict:
     """Warm-start `config.model.model` on `config.task`'s demonstrations; returns the model card."""
-    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype))
+    check_output_dir(Path(settings.out), settings.overwrite)
+    model, tokenizer = load_policy(config.model.model, getattr(torch, config.model.dtype),
+                                   resolve_device(config.model.device))
     set_threads(config.model.threads, model)
     torch.manual_seed(config.train.seed)
     task = task_from_config(config.task, tokenizer)
@@ -51,33 +51,28 @@ def sft(config, settings: SFTConfig) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0,
                                   fused=model.device.type in ("cpu", "cuda"))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / settings.warmup_steps))
-    rng = random.Random(config.train.seed)
-    history, started = [], time.perf_counter()
-    answers: list[dict] = []
-    probe = _probe(model, tokenizer, task, probes, bound, 0, history, answers)
-    for step in tqdm(range(1, settings.steps + 1), desc="sft", unit="step"):
-        model.train()
-        loss = _loss(model, tokenizer, task.examples(settings.batch_size, seed=rng.randrange(2**31), split="train"))
-        optimizer_step(model, optimizer, schedule, loss)
-        history.append({"step": step, "loss": float(loss.detach())})
-        if step % settings.probe_every == 0:
-            answers = []
-            probe = _probe(model, tokenizer, task, probes, bound, step, history, answers)
-            if probe["accuracy"] > settings.band_high:
-                raise UserError(f"sft: held-out greedy accuracy jumped to {probe['accuracy']:.0%} at step {step}, past "
-                                f"--band-high {settings.band_high}: probe more often (--probe-every) or lower --lr")
-            if probe["accuracy"] >= settings.stop_at:
-                break
-    else:
-        raise UserError(f"sft: held-out greedy accuracy stayed below --stop-at {settings.stop_at} for {settings.steps} "
-                        f"steps (last {probe['accuracy']:.0%}); raise --steps or --lr")
+    started = time.perf_counter()
+
+    def probe(step: int) -> tuple[dict, list[dict]]:
+        answers: list[dict] = []
+        return greedy_scores(model, tokenizer, task, probes, bound, answers=answers), answers
+
+    model.eval()
+    history: list[dict] = [{"step": 0, **probe(0)[0]}]
+    kept = warm_start(model, optimizer, schedule,
+                      lambda stream: _loss(model, tokenizer, task.examples(settings.batch_size,
+                                                                           seed=stream.randrange(2**31), split="train")),
+                      probe, Band(settings.band_low, settings.band_high, settings.stop_at), settings.probe_every,
+                      settings.steps, random.Random(config.train.seed), history, label="sft")
     card = {"base_model": config.model.model, "task": config.task.task, "chat_template": config.task.chat_template,
-            "step": probe["step"], "heldout_greedy_accuracy": probe["accuracy"],
-            "heldout_walk_exact": probe.get("walk_exact"), "heldout_first_error_hop": probe.get("first_error_hop"),
-            "heldout_examples": len(probes), "seconds": round(time.perf_counter() - started, 1),
-            "settings": asdict(settings), "torch": torch.__version__, "history": history}
-    save_model(model, tokenizer, Path(settings.out), card,
-               {PROBE_ANSWERS_FILE: "".join(json.dumps(a) + "\n" for a in answers)})
+            "step": kept.step, "heldout_greedy_accuracy": kept.scores["accuracy"],
+            "heldout_walk_exact": kept.scores.get("walk_exact"),
+            "heldout_first_error_hop": kept.scores.get("first_error_hop"), "heldout_examples": len(probes),
+            "seconds": round(time.perf_counter() - started, 1), "settings": asdict(settings),
+            "torch": torch.__version__, "history": history}
+    save_model(model, tokenizer, Path(settings.out),
+               {MODEL_CARD_FILE: json.dumps(card, indent=2) + "\n",
+                PROBE_ANSWERS_FILE: "".join(json.dumps(a) + "\n" for a in kept.extra)})
     return card
 
 
@@ -98,13 +93,3 @@ def _loss(model, tokenizer, examples) -> torch.Tensor:
     logprobs, _ = response_logprobs(model, ids, mask, width)
     response_mask = mask[:, width:].to(logprobs.dtype)
     return -(logprobs * response_mask).sum() / response_mask.sum()
-
-
-def _probe(model, tokenizer, task, examples, bound: int, step: int, history: list[dict], answers: list[dict]) -> dict:
-    model.eval()
-    scores = greedy_scores(model, tokenizer, task, examples, bound, answers=answers)
-    probe = {"step": step, **scores}
-    history.append({"probe": probe})
-    tqdm.write(f"sft step {step}: held-out greedy accuracy {scores['accuracy']:.1%}"
-               + (f", exact walks {scores['walk_exact']:.1%}" if "walk_exact" in scores else ""))
-    return probe

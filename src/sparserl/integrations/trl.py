@@ -22,57 +22,135 @@ only with vLLM (`use_vllm=True`): a sparse sampler plugged in alone is trained o
   term) and the kept tokens as `tool_mask` (which TRL applies to the loss's sum and its normaliser). Every
   correction metric and the sampler's KV figures reach TRL's logger as `sparserl/<name>`.
 
-Settings TRL has and the sampler reads: `temperature`, `max_completion_length`, the tokenizer's EOS and pad;
-`top_p`/`top_k`/`min_p` are refused (the sampler's recorded log-probs are the plain tempered distribution's).
-Use `bf16=False` on a CPU: TRL's bf16 autocast alone puts a dense ξ at 0.995-1.006.
+Every TRL setting is honoured or refused when the trainer is built, in one line naming it. The sampler reads
+`temperature`, `max_completion_length`, `chat_template_kwargs`, the tokenizer's EOS and pad, and `seed`; the
+settings that shape only TRL's own generation (`top_p`, `top_k`, `min_p`, `repetition_penalty`,
+`generation_kwargs`, `cache_implementation`, `use_vllm`, transformers' paged or continuous batching, `tools`,
+`environment_factory`) are refused, since the recorded log-probs are the plain tempered distribution's; so are
+ZeRO-3 and FSDP, whose sharded weights the sampler cannot run. Across processes the correction's batch
+normalisation divides by the mean over every process's tokens. Use `bf16=False` on a CPU: TRL's bf16 autocast
+alone puts a dense ξ at 0.995-1.006.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 import torch
+import trl
+from packaging.version import Version
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from ..config.corrections import CorrectionConfig
-from ..config.presets import load_preset
-from ..config.schema import load_config
+from ..config.presets import correction_for
+from ..config.schema import ROW_LIMIT_FIELDS, SPARSITY_FIELDS, SPECULATIVE_FIELDS, load_config
+from ..errors import ConfigError
 from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections
 from ..rollout.batch import RolloutBatch, SamplingConfig
-from ..rollout.dispatch.scheduler import RowLimits, request_seed, schedule_rollouts
+from ..rollout.dispatch.scheduler import RowLimits, request_seed, schedule_rollouts, step_seed
 from ..rollout.dispatch.spec import SamplerCache, SamplerSpec
 from ..rollout.sparsity.settings import sparsity_from_config
 from ..rollout.speculative.drafts import draft_from_config
+
+# The integration overrides and calls TRL's private methods (`_generate_and_score_completions`,
+# `_get_per_token_logps_and_entropies`, `_log_metric`), which change between releases.
+SUPPORTED_TRL = "1.16"
+if Version(trl.__version__).base_version.rsplit(".", 1)[0] != SUPPORTED_TRL:
+    raise ImportError(f"sparserl.integrations.trl is built on TRL {SUPPORTED_TRL}'s GRPOTrainer internals; found TRL "
+                      f"{trl.__version__}: pip install 'trl=={SUPPORTED_TRL}.*'")
+
+# The rollout settings (`sparserl train`'s names) that the sampler reads.
+SAMPLER_SETTINGS = (*SPARSITY_FIELDS, *SPECULATIVE_FIELDS, *ROW_LIMIT_FIELDS, "ignore_eos", "alpha_bin_size")
+# Where TRL takes the `sparserl train` settings a rollout function does not: said when one is passed to it.
+TRL_SETTING_OF = {
+    "temperature": "GRPOConfig(temperature=...)", "group_size": "GRPOConfig(num_generations=...)",
+    "prompts_per_step": "GRPOConfig(per_device_train_batch_size=..., steps_per_generation=...)",
+    "max_new_tokens": "GRPOConfig(max_completion_length=...)", "seed": "GRPOConfig(seed=...)",
+    "lr": "GRPOConfig(learning_rate=...)", "steps": "GRPOConfig(max_steps=...)", "kl_coef": "GRPOConfig(beta=...)",
+    "clip_eps": "GRPOConfig(epsilon=...)", "clip_eps_high": "GRPOConfig(epsilon_high=...)",
+    "minibatches": "GRPOConfig(steps_per_generation=...)", "epochs": "GRPOConfig(num_iterations=...)",
+    "loss_agg": "GRPOConfig(loss_type=...)", "entropy_coef": "GRPOConfig(entropy_coef=...)",
+    "weight_decay": "GRPOConfig(weight_decay=...)", "grad_clip": "GRPOConfig(max_grad_norm=...)",
+    "mode": "SparseGRPOTrainer(correction=...), with SparseRollouts(dense=True) for dense rollouts",
+    "chat_template": "the dataset's prompts (chat messages go through the chat template)",
+}
+# GRPOConfig settings that only TRL's own generation reads (besides every `vllm_*` one, which configures the vLLM
+# sampler that SparseRollouts replaces), with the values that leave them off.
+TRL_GENERATION_ONLY = {"top_p": (1.0,), "top_k": (0, None, -1), "min_p": (None,), "repetition_penalty": (1.0,),
+                       "generation_kwargs": (None, {}), "cache_implementation": (None,), "use_vllm": (False,),
+                       "use_transformers_paged": (False,), "use_transformers_continuous_batching": (False,),
+                       "transformers_continuous_batching_config": (None,), "ds3_gather_for_generation": (True,),
+                       "max_tool_calling_iterations": (None,)}
+# Read with use_vllm only, where SparseGRPOTrainer refuses it on; set to False it is what a user of ours means anyway.
+_NOT_GENERATION_ONLY = {"vllm_importance_sampling_correction"}
+# The GRPOConfig settings the sampler reads from TRL's trainer, and those TRL applies itself around the sampler (the
+# loss, rewards, batching, logging, model loading) or that reach the sampler through the model TRL hands it
+# (`disable_dropout`, `cast_lm_head_to_fp32`). With the generation-only ones and `vllm_*`, every GRPOConfig setting
+# is in one of these (tests/test_trl_integration.py holds TRL 1.16 to it).
+SAMPLER_READS = ("temperature", "max_completion_length", "chat_template_kwargs")
+TRL_APPLIES = (
+    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout", "cast_lm_head_to_fp32",
+    "num_generations", "num_generations_eval", "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size",
+    "steps_per_generation", "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg",
+    "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    "importance_sampling_level", "reward_weights", "multi_objective_aggregation", "scale_rewards", "loss_type",
+    "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_completions",
+    "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo")
+
+
+def _generation_only_settings(args) -> list[str]:
+    """The settings of `args` (a GRPOConfig) that only TRL's own sampler would read, set away from off."""
+    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
+    named = [name for name, off in TRL_GENERATION_ONLY.items() if getattr(args, name, off[0]) not in off]
+    vllm = [name for name in defaults if name.startswith("vllm_") and name not in _NOT_GENERATION_ONLY
+            and getattr(args, name) != defaults[name]]
+    return named + vllm
 
 
 class SparseRollouts:
     """A `rollout_func` for TRL's `GRPOTrainer` that samples with sparserl.
 
-    Keyword arguments are sparserl's rollout settings, as `sparserl train` takes them (`kv_policy`, `kv_budget`,
-    `kv_window`, `kv_interval`, `sparsity`, `block_*`, `speculative`, `speculative_draft`, `draft_tokens`,
-    `rollout_kv_memory`, `max_concurrent_rows`, `ignore_eos` (every completion `max_completion_length` long, as
-    benchmarks want), and the policies' own options); `dense=True` samples with the full cache (the same engine,
-    no compression). `measure_alpha`: also measure Sparrow's acceptance rate α of
-    each batch against the dense policy (a dense forward and, on a large vocabulary, a replay of the sampler).
+    Keyword arguments are the sampler's settings, as `sparserl train` names them (`SAMPLER_SETTINGS`: `kv_policy`,
+    `kv_budget`, `kv_window`, `kv_interval`, `kv_schedule` (a calibrated schedule file), `sparsity`, `block_*`,
+    `speculative`, `speculative_draft`, `draft_tokens`, `rollout_kv_memory`, `max_concurrent_rows`, `ignore_eos`
+    (every completion `max_completion_length` long, as benchmarks want), and the policies' own options); any other
+    is refused, naming the TRL setting that does its work. `dense=True` samples with the full cache (the same engine,
+    no compression). `measure_alpha`: also measure Sparrow's acceptance rate α of each batch against the dense
+    policy (a dense forward and, on a large vocabulary, a replay of the sampler), binned by `alpha_bin_size`.
     """
 
     def __init__(self, dense: bool = False, measure_alpha: bool = False, **rollout: Any):
+        _refuse_unread(rollout)
         self.rollout = load_config(None, rollout).rollout  # validated as `sparserl train` validates it
+        if self.rollout.kv_schedule == "adaptive":
+            raise ConfigError("SparseRollouts: kv_schedule='adaptive' moves the budget between sparserl training "
+                              "steps, which TRL does not run; give a calibrated schedule file (`sparserl calibrate`)")
+        if dense and self.rollout.speculative:
+            raise ConfigError("SparseRollouts: dense=True and speculative=True both ask for dense samples; pass one")
+        if measure_alpha and (dense or self.rollout.speculative):
+            raise ConfigError("SparseRollouts: measure_alpha compares a sparse sampler with the dense policy; "
+                              f"{'dense' if dense else 'speculative'} samples are the dense policy's own (α = 1)")
         self.dense = dense
-        self.measure_alpha = measure_alpha and not dense and not self.rollout.speculative
+        self.measure_alpha = measure_alpha
         self.spec = SamplerSpec(
             sparsity=None if dense or self.rollout.speculative else sparsity_from_config(self.rollout),
             draft=draft_from_config(self.rollout) if self.rollout.speculative else None,
             draft_tokens=self.rollout.draft_tokens, record_evictions=False,
             record_distributions=self.measure_alpha)
         self.samplers: SamplerCache | None = None
-        self.last_metrics: dict[str, float] = {}  # of the last batch: KV figures, rows in flight, α
+        self.last_metrics: dict[str, float] = {}  # of the last batch: KV figures, rows in flight, α, speculation
+        self._checked: int | None = None  # id of the trainer whose settings were checked
 
     def __call__(self, prompts: list, trainer: GRPOTrainer) -> dict[str, list]:
-        _check_sampling(trainer)
+        if self._checked != id(trainer):
+            check_trainer(trainer)
+            self._checked = id(trainer)
         policy = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         if self.samplers is None or self.samplers.model is not policy:
             self.samplers = SamplerCache(policy)
@@ -84,33 +162,61 @@ class SparseRollouts:
             eos_token_id=None if self.rollout.ignore_eos else tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             prompt_width=max(len(p) for p in prompt_ids), **_row_limits(self.rollout, policy))
-        # One seed per row, a function of the run's seed, the step and the process, as sparserl's own steps.
-        step_seed = (trainer.args.seed * 1_000_003 + trainer.state.global_step) * 1024 + trainer.accelerator.process_index
-        seeds = [request_seed(step_seed, row) for row in range(len(prompt_ids))]
+        seeds = generation_seeds(trainer, len(prompt_ids))
+        sampler = self.samplers.get(self.spec)
         was_training = policy.training
         policy.eval()
         try:
-            batch = schedule_rollouts(self.samplers.get(self.spec), prompt_ids, sampling, seeds)
-            if self.measure_alpha:
-                self.last_metrics = rollout_alpha_metrics(policy, [batch], trainer.temperature,
-                                                          self.rollout.alpha_bin_size)
+            batch = schedule_rollouts(sampler, prompt_ids, sampling, seeds)
+            metrics = rollout_alpha_metrics(policy, [batch], trainer.temperature, self.rollout.alpha_bin_size) \
+                if self.measure_alpha else {}
         finally:
             policy.train(was_training)
-        self.last_metrics = {**self.last_metrics, **batch.kv.summary(batch.rollout_seconds),
-                             "rollout_s": batch.rollout_seconds}
+        counted = sampler.take_stats()  # the speculative sampler's acceptance figures; None for the engine
+        if counted is not None:
+            metrics.update(counted.metrics(self.rollout.alpha_bin_size))
+        self.last_metrics = {**metrics, **batch.kv.summary(batch.rollout_seconds), "rollout_s": batch.rollout_seconds}
         for key, value in self.last_metrics.items():  # averaged over processes by TRL when it logs
             trainer._log_metric(f"sparserl/{key}", float(value))
         return _as_lists(batch, prompt_ids)
 
 
-def _check_sampling(trainer: GRPOTrainer) -> None:
-    """The sampler draws from the plain tempered distribution; refuse settings that would make TRL's idea of the
-    sampler another one."""
-    narrowed = [name for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", None))
-                if getattr(trainer.args, name, off) not in (off, None, -1)]
-    if narrowed:
-        raise ValueError(f"SparseRollouts samples from the whole tempered distribution; set {', '.join(narrowed)} "
-                         "off in GRPOConfig (top_p=1.0, top_k=0, min_p=None)")
+def _refuse_unread(rollout: dict[str, Any]) -> None:
+    """Refuse a setting the sampler would not read, naming where TRL takes it."""
+    for key in rollout:
+        if key in SAMPLER_SETTINGS:
+            continue
+        where = TRL_SETTING_OF.get(key)
+        hint = f"in TRL it is {where}" if where else \
+            f"it is not a sampler setting (the sampler takes {', '.join(sorted(SAMPLER_SETTINGS))})"
+        raise ConfigError(f"SparseRollouts does not take {key!r}: {hint}")
+
+
+def generation_seeds(trainer: GRPOTrainer, rows: int) -> list[int]:
+    """One sampling seed per row, from the run's seed and step as sparserl's own steps draw them (`step_seed`,
+    `request_seed`), and this process. A step that generates more than once (`steps_per_generation` below the
+    gradient accumulation steps) draws each generation batch from its own stream: the micro-step it starts at.
+    That count restarts at every optimizer step, as a resumed run restarts it, so a resumed run draws the same."""
+    micro_step = getattr(trainer, "_step", 0) % max(getattr(trainer, "current_gradient_accumulation_steps", 1), 1)
+    seed = step_seed(trainer.args.seed, trainer.state.global_step) * 1024 + trainer.accelerator.process_index
+    return [request_seed(seed, row, micro_step) for row in range(rows)]
+
+
+def check_trainer(trainer: GRPOTrainer) -> None:
+    """Refuse the TRL settings a sparserl sampler cannot honour, in one line naming each."""
+    args = trainer.args
+    set_off = _generation_only_settings(args)
+    if set_off:
+        raise ConfigError(f"SparseRollouts samples from the whole tempered distribution with sparserl's engine; "
+                          f"{', '.join(f'{name}={getattr(args, name)!r}' for name in set_off)} would only shape TRL's "
+                          f"own generation: leave {'it' if len(set_off) == 1 else 'them'} at TRL's default")
+    if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+        raise ConfigError("SparseRollouts does not run TRL's tool-calling loop (tools=, environment_factory=): its "
+                          "post-tool completions would come from TRL's own sampler")
+    if trainer.is_fsdp_enabled or (trainer.is_deepspeed_enabled and
+                                   trainer.accelerator.state.deepspeed_plugin.zero_stage == 3):
+        raise ConfigError("SparseRollouts samples with the trainer's model in each process, whose weights ZeRO-3 and "
+                          "FSDP shard: use DDP or ZeRO-1/2")
     extra_eos = set(getattr(trainer, "eos_token_ids", []) or []) - {trainer.processing_class.eos_token_id}
     if extra_eos:
         warnings.warn(f"SparseRollouts stops at the tokenizer's EOS only, not at {sorted(extra_eos)}")
@@ -143,24 +249,38 @@ def _as_lists(batch: RolloutBatch, prompt_ids: list[list[int]]) -> dict[str, lis
 class SparseGRPOTrainer(GRPOTrainer):
     """TRL's `GRPOTrainer` with a sparserl correction applied to its loss (see the module).
 
-    `correction`: a preset's name (`sparserl presets`: sparse-rl, geo-rs, ...), a preset YAML file, or a
-    `CorrectionConfig`. With `dense` (no correction) and a dense sampler the loss is TRL's own.
+    `correction`: a preset's name (`sparserl presets`: sparse-rl, geo-rs, ...), a preset YAML file (its
+    `correction:` fields on its base preset's), or a `CorrectionConfig`. With `dense` (no correction) and a dense
+    sampler the loss is TRL's own. The sampler's log-probs must be recorded: `rollout_func=SparseRollouts(...)`,
+    another rollout function that returns them, or vLLM with TRL's own correction off
+    (`vllm_importance_sampling_correction=False`, so that the two do not stack).
     """
 
     def __init__(self, *args, correction: str | CorrectionConfig = "sparse-rl", **kwargs):
+        self.correction = correction_for(correction)  # a bad preset fails before TRL loads anything
         super().__init__(*args, **kwargs)
-        self.correction = correction if isinstance(correction, CorrectionConfig) else load_preset(correction).correction
+        if isinstance(self.rollout_func, SparseRollouts):
+            check_trainer(self)
+        elif self.rollout_func is None and not self.args.use_vllm:
+            raise ConfigError("SparseGRPOTrainer corrects against the sampler's log-probs, which TRL's own generation "
+                              "does not record: pass rollout_func=SparseRollouts(...) (or sample with vLLM)")
+        if self.args.use_vllm and self.args.vllm_importance_sampling_correction:
+            raise ConfigError("use_vllm=True with vllm_importance_sampling_correction=True would apply TRL's own "
+                              "importance correction on top of sparserl's: set vllm_importance_sampling_correction="
+                              "False (or drop use_vllm with SparseRollouts)")
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         sampler = out.get("sampling_per_token_logps")
-        if sampler is None:  # TRL sampled itself: nothing recorded to correct against
-            return out
+        if sampler is None:
+            raise RuntimeError("the rollout function returned no sampler log-probs to correct against")
         mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
         old = out.get("old_per_token_logps")
         if old is None:  # TRL skips π_old when no optimizer step separates sampling from the loss: the same weights
             old = self._dense_old_logps(out)
-        corrections = compute_corrections(old, sampler, mask, self.correction)
+        across = None if self.accelerator.num_processes == 1 else \
+            (lambda totals: self.accelerator.reduce(totals, reduction="sum"))
+        corrections = compute_corrections(old, sampler, mask, self.correction, batch_total=across)
         out["advantages"] = out["advantages"][:, None] * corrections.weights.to(out["advantages"].dtype)
         out["tool_mask"] = (mask * corrections.keep_mask).to(out["completion_mask"].dtype)
         out["num_items_in_batch"] = self.accelerator.gather(out["tool_mask"].sum()).sum()
@@ -178,4 +298,3 @@ class SparseGRPOTrainer(GRPOTrainer):
             old, _, _ = self._get_per_token_logps_and_entropies(self.model, ids, attention, out["completion_ids"].size(1),
                                                                  batch_size=self.args.per_device_train_batch_size)
         return old
-

@@ -20,7 +20,7 @@ Named combinations (the modes) are classmethods here and are registered in `spar
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,11 +92,15 @@ def compute_corrections(
     logp_sampler: torch.Tensor,
     response_mask: torch.Tensor,
     config: CorrectionConfig,
+    batch_total: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Corrections:
     """Rejection masks, importance weights and mismatch metrics for one batch.
 
     logp_old, logp_sampler: [B, T] log-probs of the sampled tokens under π_old and π_sparse.
     response_mask: [B, T] {0,1} float or bool; values outside it are ignored (may be inf/NaN).
+    batch_total: where this batch is one process's part of a larger one, sums a float64 `[2]` tensor (the
+        weights' sum and the response-token count) over every part, so that `batch_normalize` divides by the mean
+        of the whole batch, as one process holding it all would (None: this batch is the whole batch).
     Computed in float64; weights come back in float32 (float64 if the inputs are float64).
     """
     if logp_old.dim() != 2 or logp_old.shape != logp_sampler.shape or logp_old.shape != response_mask.shape:
@@ -108,7 +112,7 @@ def compute_corrections(
     ratios = token_ratios(logp_old, logp_sampler, response_mask)
     sequence_stats = _sequence_statistics(ratios.log_ratio, ratios.clamped, ratios.xi, ratios.n_tok)
     filtered = apply_filters(ratios, sequence_stats, config)
-    weights, normaliser = importance_weights(ratios, config)
+    weights, normaliser = importance_weights(ratios, config, batch_total)
     metrics = _metrics(logp_old=ratios.old, logp_sampler=ratios.sampler, clamped=ratios.clamped, xi=ratios.xi,
                        resp=ratios.resp, seq_keep=filtered.seq_keep, has_resp=ratios.has_resp,
                        in_band=filtered.in_band, keep=filtered.keep, w=weights)
@@ -164,10 +168,12 @@ def apply_filters(ratios: TokenRatios, sequence_stats: dict[str, torch.Tensor], 
     return Filtered(removed=removed, seq_keep=seq_keep, keep=keep, in_band=in_band)
 
 
-def importance_weights(ratios: TokenRatios, config: CorrectionConfig) -> tuple[torch.Tensor, float]:
+def importance_weights(ratios: TokenRatios, config: CorrectionConfig,
+                       batch_total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
     """[B, T] float64 weights, 0 outside the response, and the batch normaliser applied (1.0 if none).
 
-    The sequence and geometric levels sum over every response token, rejected ones included."""
+    The sequence and geometric levels sum over every response token, rejected ones included. `batch_total`: as in
+    `compute_corrections`."""
     xi, clamped = ratios.xi, ratios.clamped
     if config.is_level == "token":
         ratio = xi
@@ -188,13 +194,16 @@ def importance_weights(ratios: TokenRatios, config: CorrectionConfig) -> tuple[t
     w = w * ratios.resp.double()
 
     # Mean over every response token, rejected ones included (reference behaviour).
-    n_resp = int(ratios.resp.sum().item())
     normaliser = 1.0
-    if config.batch_normalize and n_resp > 0:
-        mean_w = w.sum() / n_resp
-        if mean_w > 0:
-            normaliser = mean_w.item()
-            w = w / mean_w
+    if not config.batch_normalize:
+        return w, normaliser
+    totals = torch.stack([w.sum(), ratios.resp.double().sum()])
+    if batch_total is not None:
+        totals = batch_total(totals)
+    weight_sum, n_resp = totals.tolist()
+    if n_resp > 0 and weight_sum > 0:
+        normaliser = weight_sum / n_resp
+        w = w / normaliser
     return w, normaliser
 
 

@@ -78,7 +78,7 @@ class DistillTrainer:
         masks = torch.cat([torch.nn.functional.pad(b.response_mask, (0, span - b.response_mask.shape[1]))
                            for b in shards])
         step_coefficients = token_coefficients(masks, cfg.loss_agg)  # [N, T]
-        self.model.train()
+        self.model.eval()  # dropout off: the sparse forward the adapter learns in is the sampler's
         first = 0
         for batch in shards:
             rows_here = slice(first, first + len(batch))
@@ -92,7 +92,6 @@ class DistillTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.parameters.values(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
         return {**totals, "distill_grad_norm": float(norm)}
 
     def _accumulate(self, batch: RolloutBatch, advantages: torch.Tensor, coefficients: torch.Tensor,

@@ -25,7 +25,7 @@ def ppo_update(model, optimizer: torch.optim.Optimizer, batch, logp_old: torch.T
     batch made it π_old's too. `train`: a `TrainConfig`. Returns the averaged loss terms, the mean gradient norm
     and the optimizer steps taken (a minibatch with nothing kept, or with a gradient of exactly 0, takes none).
     """
-    model.train()
+    model.eval()  # dropout off, as in the sampler and π_old's forward: at the first minibatch π_θ / π_old is 1
     rows = len(batch)
     size = rows // train.minibatches
     input_ids, attention_mask = batch.input_ids, batch.attention_mask

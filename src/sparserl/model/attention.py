@@ -72,19 +72,27 @@ def attend(
     narrowed = select(layer_idx, query, mask) if select is not None else None
     if narrowed is not None:
         key, value, mask = narrowed
-    # Group queries under their KV head, so that per-KV-head masks broadcast without copying keys.
-    grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)
-    grouped_mask = mask if q_len == 1 else \
-        mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, k_len)
     if q_len == 1 or softcap is not None:
         # One decode token: a plain matmul and softmax beats the CPU SDPA kernel's per-call overhead (~12%
         # of a rollout), and every decode step, dense or sparse, takes this same path. SDPA cannot
-        # soft-cap, so a soft-capped layer's prefill (and replay) computes its scores here too.
+        # soft-cap, so a soft-capped layer's prefill (and replay) computes its scores here too. Queries are grouped
+        # under their KV head, so that per-KV-head masks broadcast without copying keys.
+        grouped = query.reshape(batch, kv_heads, group * q_len, head_dim)
+        grouped_mask = mask if q_len == 1 else \
+            mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, mask.shape[1], group * q_len, k_len)
         scale = scaling if scaling is not None else head_dim ** -0.5
         out = _explicit_attention(grouped, key, value, grouped_mask, scale, softcap)
+    elif mask.shape[1] == 1:
+        # SDPA broadcasts the one mask over every head and reads each KV head for its query group itself: the
+        # mask it keeps for the backward pass is [N, 1, Q, K], as transformers' own forward keeps.
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=grouped_mask, scale=scaling)
-    out = out.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
+        # Per-KV-head masks: each KV head with its query group is a batch entry of its own, so the mask is a view.
+        out = F.scaled_dot_product_attention(
+            query.reshape(batch * kv_heads, group, q_len, head_dim), key.reshape(batch * kv_heads, 1, k_len, head_dim),
+            value.reshape(batch * kv_heads, 1, k_len, head_dim), enable_gqa=True, scale=scaling,
+            attn_mask=mask.reshape(batch * kv_heads, 1, q_len, k_len))
+    out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
     return out, None
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .attention import FixedMasks, masked_attention
 from .shared_prompt import prompt_groups, shared_prompt_hidden
-from .structure import positions_from_mask, text_config
+from .structure import positions_from_mask, rope_depends_on_length, text_config
 
 # Bytes of float32 logits one chunk may hold: positions are processed so many at a time that
 # [rows, chunk, V] stays under it (one chunk for a small vocabulary; 16 positions of 8 rows at V = 128k).
@@ -26,12 +26,14 @@ def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     share_prompts: bool = False, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Final hidden states `[N, T, H]` at the positions that predict the response tokens.
 
-    `share_prompts`: runs of rows with the same prompt compute it once (when some run holds two rows or more).
+    `share_prompts`: runs of rows with the same prompt compute it once (when some run holds two rows or more, and
+    the model's RoPE does not depend on the forward's length: dynamic NTK or LongRoPE would rotate a prompt-only
+    forward otherwise than the whole sequence's).
     `masks`: per layer, bool `[N, Hs, S, S]`, what each query sees (a sparse sampler's replay); else the plain
     causal forward.
     """
-    if share_prompts and len(prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])[1]) < \
-            len(input_ids):
+    if share_prompts and not rope_depends_on_length(text_config(model)) and \
+            len(prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])[1]) < len(input_ids):
         return shared_prompt_hidden(model, input_ids, attention_mask, prompt_width, masks)
     decoder, positions = model.get_decoder(), positions_from_mask(attention_mask)
     if masks is None:

@@ -1,6 +1,6 @@
 """What the rest of the package reads of a model's structure: its language model's config, each decoder layer's
-kind and attention window, the positions of left-padded rows (which count real tokens only), and the name its
-forward takes a KV cache under."""
+kind and attention window, the positions of left-padded rows (which count real tokens only), whether its RoPE
+depends on the sequence's length, and the name its forward takes a KV cache under."""
 
 from __future__ import annotations
 
@@ -34,6 +34,20 @@ def layer_windows(config) -> list[int | None]:
     if getattr(config, "layer_types", None) is None:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in layer_types(config)]
+
+
+# RoPE variants whose frequencies depend on the longest position of the forward that computes them (transformers'
+# `dynamic_rope_update`): a forward over part of a sequence rotates its tokens otherwise than one over all of it.
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def rope_depends_on_length(config) -> bool:
+    """Whether some layer's rotary embedding is `LENGTH_DEPENDENT_ROPE` (dynamic NTK, Phi-3's LongRoPE); the config's
+    `rope_parameters` are one mapping, or one per layer kind (Gemma-3)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    kinds = [parameters.get("rope_type")] if "rope_type" in parameters else \
+        [p.get("rope_type") for p in parameters.values() if isinstance(p, dict)]
+    return any(kind in LENGTH_DEPENDENT_ROPE for kind in kinds)
 
 
 def cache_keyword(model) -> str:

@@ -262,8 +262,9 @@ class BufferCache(Cache):
             totals["sliding_attention" if layer.is_sliding else "full_attention"] += layer.peak_bytes
         return totals
 
-    def bytes_per_slot(self) -> int:
-        return sum(2 * layer.batch * layer.kv_heads * layer.head_dim * layer.keys.element_size() for layer in self.layers)
+    def slot_bytes(self) -> int:
+        """KV bytes one token takes in one row, over every layer: what a dense cache holds per row and token."""
+        return sum(2 * layer.kv_heads * layer.head_dim * layer.keys.element_size() for layer in self.layers)
 
 
 def build_cache(model, batch: int, capacities: list[int], per_head_selection: bool,

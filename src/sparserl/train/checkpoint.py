@@ -32,13 +32,13 @@ from .layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     HOST_RNG_FILE,
+    MANIFEST_FILE,
     OPTIMIZER_FILE,
     POLICY_DIR,
     RNG_FILE,
     TRAINER_STATE_FILE,
 )
 
-MANIFEST = "manifest.json"
 _PREFIX = "step_"
 
 
@@ -80,7 +80,7 @@ def save_checkpoint(run_dir: Path, state: TrainerState, model, tokenizer, optimi
     (tmp / HOST_RNG_FILE).write_text(json.dumps(_host_rng_states()))
     (tmp / TRAINER_STATE_FILE).write_text(json.dumps(state.__dict__, indent=2))
     save_config(config, tmp / CONFIG_FILE)
-    (tmp / MANIFEST).write_text(json.dumps(_file_digests(tmp), indent=1))
+    (tmp / MANIFEST_FILE).write_text(json.dumps(_file_digests(tmp), indent=1))
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -94,7 +94,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / MANIFEST).exists()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / MANIFEST_FILE).exists()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
@@ -106,7 +106,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def checkpoint_problem(checkpoint: Path) -> str | None:
     """None if every file of the manifest is there with its size and hash, else what is wrong."""
     try:
-        expected = json.loads((checkpoint / MANIFEST).read_text())
+        expected = json.loads((checkpoint / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return "its manifest is missing or unreadable"
     for name, (size, digest) in expected.items():

@@ -21,10 +21,11 @@ from ..config.schema import ExperimentConfig, calibration_budgets
 from ..learner.distill import DistillTrainer
 from ..model.clock import now
 from ..rollout.acceptance import bin_tails
+from ..rollout.dispatch.scheduler import step_seed
 from ..rollout.sparsity.budgets import AdaptiveBudget, BinnedBudget
 from ..tasks.base import Task
 from .calibration import calibrate_schedule
-from .step_batch import StepBatch, step_seed
+from .step_batch import StepBatch
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,13 @@
-"""Every file name of a run directory and of a comparison directory, in one place.
+"""Every file name of the directories sparserl writes, in one place.
 
-    <run>/config.yaml, metrics.jsonl, samples.jsonl, tensorboard/, final_eval.json (written by `compare`)
-    <run>/checkpoints/step_000010/{policy/, optimizer.pt, config.yaml, sampler_adapter/, ...}
+    <run>/.lock, config.yaml, metrics.jsonl, samples.jsonl, tensorboard/, final_eval.json (written by `compare`)
+    <run>/checkpoints/step_000010/{manifest.json, policy/, optimizer.pt, config.yaml, sampler_adapter/, ...}
     <compare>/compare.json, report.md, *.png, <mode>/seed<S>/ (one run each)
+    <calibration>/schedule.yaml, calibration.json, calibration.md, tails.png            (`sparserl calibrate`)
+    <model>/card.json, probe_answers.jsonl beside the weights                 (`sparserl warmup`, `sparserl sft`)
 """
+
+LOCK_FILE = ".lock"  # held while a run trains, so that a second process cannot write the same run
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -18,5 +22,12 @@ HOST_RNG_FILE = "rng.json"  # inside a checkpoint: Python's and numpy's
 TRAINER_STATE_FILE = "trainer_state.json"  # inside a checkpoint: step and counters
 ADAPTER_DIR = "sampler_adapter"  # inside a checkpoint: DistillSparse's adapter and its optimizer
 ADAPTER_WEIGHTS_FILE = "adapter.safetensors"  # inside ADAPTER_DIR
+MANIFEST_FILE = "manifest.json"  # inside a checkpoint: every file's digest, written last (an intact checkpoint has it)
 COMPARE_FILE = "compare.json"
 REPORT_FILE = "report.md"
+SCHEDULE_FILE = "schedule.yaml"  # a calibration's budget schedule, for --kv-schedule
+CALIBRATION_FILE = "calibration.json"  # the calibration's tails per budget and bin
+CALIBRATION_TABLE_FILE = "calibration.md"
+CALIBRATION_PLOT_FILE = "tails.png"
+MODEL_CARD_FILE = "card.json"  # how a warm-started model was made: settings, probes, the step kept
+PROBE_ANSWERS_FILE = "probe_answers.jsonl"  # the kept probe's greedy answers, to read

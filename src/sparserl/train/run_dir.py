@@ -33,9 +33,8 @@ import yaml
 
 from ..config.schema import ExperimentConfig, save_config
 from ..errors import ConfigError
-from .layout import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE
+from .layout import CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE
 
-LOCK_FILE = ".lock"
 # Fields that may differ on resume without changing what the run is: its length and its logging.
 # Where the rollouts run, and how many rows run at once, do not change the data (the shards do, and
 # they are not in this set).

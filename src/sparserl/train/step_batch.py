@@ -16,11 +16,6 @@ from ..rollout.dispatch.shards import StepRollouts
 from ..tasks.base import Example
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The seed of a step's prompts and sampling: a pure function of (run seed, step), so a resumed run repeats."""
-    return seed * 1_000_003 + step
-
-
 @dataclass
 class StepBatch:
     """One step's data (B = prompts × group rows, T = response positions).

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..config.corrections import CorrectionConfig
 from ..config.presets import load_preset
-from ..config.schema import ExperimentConfig
+from ..config.schema import ExperimentConfig, check_training_settings
 from ..errors import UserError
 from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections, rejection_by_length
@@ -39,7 +39,7 @@ from ..rewards.runner import RewardRunner
 from ..rollout.adapter import SamplerAdapter, adapter_config, sampler_context
 from ..rollout.batch import SamplingConfig
 from ..rollout.dispatch.backends import make_rollouts
-from ..rollout.dispatch.scheduler import RowLimits
+from ..rollout.dispatch.scheduler import RowLimits, step_seed
 from ..rollout.dispatch.shards import concat_rollouts, plan_shards, rollout_metrics
 from ..rollout.dispatch.spec import SamplerSpec
 from ..rollout.sparsity.budgets import BinnedBudget
@@ -65,7 +65,6 @@ from .step_batch import (
     kept_advantages,
     kept_vs_rejected,
     reward_metrics,
-    step_seed,
 )
 
 LENGTH_BUCKETS = 4
@@ -111,12 +110,14 @@ class TrainingInterrupted(KeyboardInterrupt):
 class GRPOTrainer:
     def __init__(self, config: ExperimentConfig, resume: Resume = "never", overwrite: bool = False,
                  allow_config_change: bool = False):
+        check_training_settings(config)
         self.config = config
         self.run = open_run_dir(config, resume, overwrite, allow_config_change)
+        self.rollouts = None  # where the step's shards sample; a Ray cluster with workers, started last in `_build`
         try:
             self._build(config, self.run.resume_checkpoint)
         except BaseException:
-            self.run.release(failed=True)
+            self.close(failed=True)
             raise
 
     def _build(self, config: ExperimentConfig, checkpoint: Path | None) -> None:
@@ -171,7 +172,6 @@ class GRPOTrainer:
             draft=draft_from_config(config.rollout) if config.rollout.speculative else None,
             draft_tokens=config.rollout.draft_tokens, record_evictions=self.adapter is not None,
             record_distributions=self.sparse)
-        self.rollouts = make_rollouts(config, self.model, self.adapter, self.device)
         self.shards = config.rollout.rollout_shards or max(1, config.rollout.rollout_workers)
         self.row_limits = RowLimits.from_rollout_config(config.rollout, self.device)
         self.corrections = config.correction
@@ -182,6 +182,8 @@ class GRPOTrainer:
         self.logger = MetricsLogger(self.run_dir, config.output.log_with, self.state.step if checkpoint else None,
                                     run_name=self.run_dir.name, config=config.to_dict())
         self._starve_warned = False
+        # Last: nothing after it can fail, so a Ray cluster is never started for a run that does not build.
+        self.rollouts = make_rollouts(config, self.model, self.adapter, self.device)
 
     def _hooks(self, config: ExperimentConfig) -> list[StepHook]:
         hooks: list[StepHook] = []
@@ -232,10 +234,19 @@ class GRPOTrainer:
                     bar.close()
             failed = False
         finally:
-            self.rollouts.close()
-            self.logger.close()
-            self.run.release(failed)
+            self.close(failed)
         return self.state
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the rollout workers (a Ray cluster this run started), close the logs and release the run
+        directory; `train()` ends with it, and a trainer built but never trained should be closed by its owner."""
+        if self.rollouts is not None:
+            self.rollouts.close()
+            self.rollouts = None
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
+            self.logger = None
+        self.run.release(failed)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out greedy accuracy under dense inference, and under sparse inference if asked."""
@@ -341,10 +352,12 @@ class GRPOTrainer:
         width, targets = batch.prompt_ids.shape[1], batch.response_ids
         mb, share = cfg.train.micro_batch_size, cfg.train.share_prompts
         temperature = cfg.rollout.temperature
+        # Every forward of the learner runs as the sampler's do, with dropout off (TRL's `disable_dropout`): π_old, the
+        # update's π_θ and α's dense side are then one function of the weights, whichever path computes them.
+        self.model.eval()
         if cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb:
             # One optimizer step from one forward: that forward, at the current weights, is the dense
             # recompute of π_old, so it is done once with gradients and reused (as TRL does).
-            self.model.train()
             hidden = response_hidden(self.model, input_ids, attention_mask, width, share)
             data.fused_forward = hidden_logprobs(self.model, hidden, targets, with_entropy=cfg.train.entropy_coef > 0,
                                                  temperature=temperature)

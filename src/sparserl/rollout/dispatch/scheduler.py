@@ -54,10 +54,17 @@ class RowLimits:
         return self if self.kv_memory_bytes is not None or self.max_rows else RowLimits(max_rows=INFERENCE_ROWS)
 
 
-def request_seed(seed: int, row: int) -> int:
+def step_seed(seed: int, step: int) -> int:
+    """The seed of training step `step` of a run seeded `seed`: its prompts and its rows' sampling seeds derive
+    from it (`sparserl train` and the TRL integration alike)."""
+    return seed * 1_000_003 + step
+
+
+def request_seed(seed: int, row: int, stream: int = 0) -> int:
     """The sampling seed of row `row` of a batch seeded `seed` (a step's, an evaluation's): an
-    independent stream per (seed, row)."""
-    return int(np.random.SeedSequence([seed, row]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    independent stream per (seed, row), and per `stream` where one seed serves several batches (0: the first)."""
+    entropy = [seed, row] + ([stream] if stream else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -188,7 +188,6 @@ class DecodeLoop:
         self.cache: BufferCache | None = None
         self.provider: RolloutAttention | None = None
         self.selector: BlockSelector | None = None
-        self.slot_bytes = 0  # of a full batch
         self.stats = KVStats()
         self.compress_watch = Stopwatch(self.device)
         self.kept_columns: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
@@ -247,7 +246,6 @@ class DecodeLoop:
         provider.selector = selector
         if self.cache is None:
             self.cache, self.provider, self.selector = cache, provider, selector
-            self.slot_bytes = cache.bytes_per_slot()
         else:
             self.cache.append_rows(cache)
             self.provider.append_rows(provider)

@@ -84,7 +84,8 @@ class RolloutEngine:
         stats.kv_peak_bytes_by_layer_type = peaks
         stats.kv_peak_bytes = sum(peaks.values())
         span = int(loop.lengths.max())
-        stats.kv_dense_bytes = loop.slot_bytes * (prompt_ids.shape[1] + span)
+        if loop.cache is not None:  # a dense cache of the rows first in flight, prompt width + longest response
+            stats.kv_dense_bytes = loop.cache.slot_bytes() * loop.max_rows * (prompt_ids.shape[1] + span)
         stats.kept_tokens, stats.evicted_tokens = loop.held, loop.fed_tokens.float() - loop.held
         if loop.selector is not None:
             stats.attended_frac = loop.selector.attended_frac

@@ -119,7 +119,6 @@ class SpeculativeSampler:
         group, first = prompt_groups(prompt_ids, prompt_mask)
         cache = build_cache(model, len(first), [capacity] * len(decoder_layers(model)), False, dtype, device,
                             full_capacity=capacity, page_size=page)
-        slot_bytes = cache.bytes_per_slot()
         provider = _SpeculativeAttention(cache, None)
         state = _Rows(batch, steps, sampling.pad_token_id, torch.tensor(seeds, dtype=torch.long, device=device),
                       prompt_mask.sum(dim=1), device, _logprob_dtype(dtype))
@@ -161,7 +160,8 @@ class SpeculativeSampler:
         stats.attended_frac = draft.attended_frac
         self.totals.add(stats)
         span = int(state.lengths.max())
-        kv = KVStats(kv_peak_bytes=sum(cache.peak_bytes().values()), kv_dense_bytes=slot_bytes * (width + span),
+        kv = KVStats(kv_peak_bytes=sum(cache.peak_bytes().values()),
+                     kv_dense_bytes=cache.slot_bytes() * batch * (width + span),
                      kv_peak_bytes_by_layer_type=cache.peak_bytes(),
                      kept_tokens=(state.prompt_lengths + state.lengths).float(),
                      evicted_tokens=torch.zeros(batch, device=device))
