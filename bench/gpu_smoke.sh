@@ -32,7 +32,7 @@ fi
 "$PY" - "$OUT/train/metrics.jsonl" <<'PY'
 import json, sys
 record = [json.loads(line) for line in open(sys.argv[1])][-1]
-keys = ("step_s", "rollout_s", "recompute_s", "update_s", "tokens_per_s", "kv_peak_frac", "alpha_tail", "xi_q01")
+keys = ("step_s", "rollout_s", "recompute_s", "update_s", "tokens_per_s", "kv_peak_bytes", "alpha_tail", "xi_q01")
 print("train step:", {k: round(record[k], 4) for k in keys if k in record})
 PY
 PYTHONPATH="$(dirname "$0")${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$MODEL" "$DEVICE" $LENGTHS <<'PY'

@@ -61,7 +61,7 @@ def main() -> None:
         if "reward" in record:
             print(f"rollout batch {record['step'] // 2}: reward {record['reward']:.3f}, "
                   f"rejected tokens {1 - record.get('sparserl/kept_token_frac', 1.0):.1%}, "
-                  f"peak KV {record.get('sparserl/kv_peak_frac', 1.0):.0%} of dense")
+                  f"peak KV {record.get('sparserl/kv_peak_bytes', 0) / 2**20:.2f} MiB")
     trainer.save_model(args.out)
     tokenizer.save_pretrained(args.out)
 

@@ -62,7 +62,7 @@ def main() -> None:
     for record in trainer.state.log_history:
         if "reward" in record:
             print(f"step {record['step']}: reward {record['reward']:.3f}, ξ q01 {record.get('sparserl/xi_q01', 1):.3f}, "
-                  f"peak KV {record.get('sparserl/kv_peak_frac', 1.0):.0%} of dense")
+                  f"peak KV {record.get('sparserl/kv_peak_bytes', 0) / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":

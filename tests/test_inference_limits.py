@@ -44,6 +44,17 @@ def test_eval_decodes_at_most_the_rows_asked_for_and_reports_kv_for_both(tiny_mo
         assert kv["rows_in_flight"] == 4 and kv["rollout_waves"] >= 2, mode  # 6 prompts, 4 at a time
         assert 0 < kv["kv_peak_bytes"] <= kv["kv_dense_bytes"]
     assert result["sparse"]["kv"]["kv_peak_bytes"] < result["dense"]["kv"]["kv_peak_bytes"]
+    # KV saved: the measured peaks of the two on the same prompts, not the padded bound.
+    assert result["kv_saved"] == pytest.approx(
+        1 - result["sparse"]["kv"]["kv_peak_bytes"] / result["dense"]["kv"]["kv_peak_bytes"])
+
+
+def test_eval_of_sparse_inference_alone_says_kv_saved_was_not_measured(tiny_model_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--out", str(out), "--model", str(tiny_model_dir), *SMALL, "--samples", "0", "--inference",
+                 "sparse", "--kv-budget", "8", "--kv-window", "2"]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_saved"] is None and "--inference both" in result["kv_saved_note"]
 
 
 def test_eval_spends_a_kv_memory_budget_on_more_compressed_rows(tiny_model_dir, tmp_path):

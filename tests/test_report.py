@@ -19,10 +19,11 @@ from sparserl.report.tables import (
 MIB = 1024 ** 2
 
 
-def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: float, **extra) -> dict:
+def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: float, peak: float = 1.6,
+          **extra) -> dict:
     record = {"step": step, "reward_mean": reward, "reward_std": 0.1, "accuracy": reward,
               "response_len_mean": 40.0 + step, "rollout_s": 2.0,
-              "kv_peak_bytes": int(1.6 * MIB), "kv_dense_bytes": 4 * MIB, "kv_peak_frac": 0.4, "kv_kept_frac": kept,
+              "kv_peak_bytes": int(peak * MIB * step / 2), "kv_dense_bytes": 5 * MIB, "kv_kept_frac": kept,
               "xi_mean": 1.0, "xi_min": 0.01 * step, "xi_q01": 0.5, "kl_sampler_old": 0.02 * step,
               "rejected_seq_frac": vetoed / 8, "rejected_token_frac": vetoed / 16, "flagged_veto_frac": veto_flagged,
               "flagged_band_frac": 0.1, "ess": 0.9, "walk_exact": reward, "skipped": 0, "skipped_steps": 0,
@@ -32,13 +33,15 @@ def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: fl
     return record
 
 
-def _write_run(root, mode, seed, start, final, kept=0.6, vetoed=0.0, veto_flagged=0.25, finished=True):
-    """Two training steps; step 0 evaluates the start model, step 2 the final one."""
+def _write_run(root, mode, seed, start, final, kept=0.6, vetoed=0.0, veto_flagged=0.25, finished=True, peak=1.6):
+    """Two training steps; step 0 evaluates the start model, step 2 the final one. The KV peak of step 2 is `peak`
+    MiB, step 1's half of it (the run's peak is its largest)."""
     run = root / mode / f"seed{seed}"
     run.mkdir(parents=True)
     records = [{"step": 0, "eval_accuracy_dense": start, "eval_accuracy_sparse": start - 0.1},
-               _step(1, 0.5, kept, vetoed, veto_flagged),
-               _step(2, 0.7, kept, vetoed, veto_flagged, eval_accuracy_dense=final, eval_accuracy_sparse=final - 0.2)]
+               _step(1, 0.5, kept, vetoed, veto_flagged, peak),
+               _step(2, 0.7, kept, vetoed, veto_flagged, peak, eval_accuracy_dense=final,
+                     eval_accuracy_sparse=final - 0.2)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if finished:
         (run / "final_eval.json").write_text(json.dumps({
@@ -52,11 +55,13 @@ def _compare_dir(tmp_path, rl_finals=(0.8, 0.8), naive_finals=(0.2, 0.3)):
                           "prompts_per_step": 4, "group_size": 8}, "output": {"eval_examples": 200}}
     (tmp_path / "compare.json").write_text(json.dumps(
         {"modes": ["dense", "naive-sparse", "sparse-rl", "sparse-rs"], "seeds": [0, 1], "config": config}))
+    # The dense runs peak at 4 MiB; the sparse runs at 1.6 MiB (seed 0) and 2.0 MiB (seed 1): 60% and 50% saved.
     for seed in (0, 1):
-        _write_run(tmp_path, "dense", seed, 0.5, 0.8, kept=1.0, veto_flagged=0.0)
-        _write_run(tmp_path, "naive-sparse", seed, 0.5, naive_finals[seed], veto_flagged=0.2 + 0.1 * seed)
+        _write_run(tmp_path, "dense", seed, 0.5, 0.8, kept=1.0, veto_flagged=0.0, peak=4.0)
+        _write_run(tmp_path, "naive-sparse", seed, 0.5, naive_finals[seed], veto_flagged=0.2 + 0.1 * seed,
+                   peak=1.6 + 0.4 * seed)
         _write_run(tmp_path, "sparse-rl", seed, 0.5, rl_finals[seed], kept=0.5 + 0.1 * seed, vetoed=2.0,
-                   veto_flagged=0.2 + 0.1 * seed)
+                   veto_flagged=0.2 + 0.1 * seed, peak=1.6 + 0.4 * seed)
     return tmp_path
 
 
@@ -86,12 +91,15 @@ def test_report_table_regime_and_verdicts(tmp_path):
     # Regime: every sparse run's step-0 gap is 0.1; step-1 flagged veto 0.2 and 0.3 in both sparse modes.
     assert "gap dense − sparse +10.0 pts (+10.0–+10.0)" in table
     assert "step-0 veto rate (Sparse-RL filter) 25.0% (20.0–30.0)" in table
-    assert "peak KV bytes 40.0% (40.0–40.0) of dense" in table  # 1.6 MiB of 4 MiB
+    # Against each seed's dense run, not the padded 5 MiB bound nor the kept tokens (0.5 and 0.6).
+    assert "KV saved (peak bytes against the dense run of each seed, same prompts) 55.0% (50.0–60.0)" in table
     rows = _rows(table)
-    # sparse-rl: kept 0.5 and 0.6 -> saved 50% and 40%; rollout s 4 and 5; vetoed 2 per step.
+    # sparse-rl: peaks 1.6 and 2.0 MiB against 4.0; rollout s 4 and 5; vetoed 2 per step.
     assert rows["sparse-rl"][0] == "80.0% (80.0–80.0)"
     assert rows["sparse-rl"][2] == "79.0% (79.0–79.0)"  # exact walks from final_eval
-    assert rows["sparse-rl"][4] == "45.0% (40.0–50.0)"
+    assert rows["sparse-rl"][4] == "55.0% (50.0–60.0)"
+    assert rows["sparse-rl"][5] == "1.80 (1.60–2.00) / 4.00 (4.00–4.00)"
+    assert rows["dense"][4] == "—"
     assert rows["sparse-rl"][6] == "48 (48–48)"  # the most rows in flight: step 2's 16 + 32
     assert rows["sparse-rl"][7] == "4.5 (4.0–5.0)"
     assert rows["sparse-rl"][8] == "2.50 (2.50–2.50)"  # mean step time, (2 + 3) / 2 s
@@ -279,10 +287,11 @@ def test_the_veto_by_length_table_labels_each_bucket_by_its_lengths(tmp_path):
     assert _rows(table)["sparse-rl"] == ["0.000 (0.000–0.000)", "0.500 (0.400–0.600)"]
 
 
-@pytest.mark.parametrize("name", ["kv_kept_frac", "kept_token_frac"])
-def test_final_eval_kv_figures_are_read_under_the_name_of_any_version(tmp_path, name):
-    """final_eval.json files written before the KV figures took one set of names call the kept share
-    `kept_token_frac`; both read the same."""
-    path = tmp_path / "final_eval.json"
-    path.write_text(json.dumps({"dense": {"accuracy": 0.5}, "sparse": {"accuracy": 0.4, "kv": {name: 0.75}}}))
-    assert read_final_eval(path)["kv_kept"] == 0.75
+def test_without_a_dense_run_kv_saved_is_said_to_be_unmeasured(tmp_path):
+    out = _compare_dir(tmp_path)
+    meta = json.loads((out / "compare.json").read_text())
+    meta["modes"] = ["naive-sparse", "sparse-rl"]
+    (out / "compare.json").write_text(json.dumps(meta))
+    table = paper_table(out)
+    assert "not measured (no dense run in this comparison)" in table
+    assert _rows(table)["sparse-rl"][4] == "—"

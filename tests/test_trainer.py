@@ -266,7 +266,7 @@ def test_block_sparse_training_with_distill_sparse_replays_the_pages(tiny_model_
              "--distill-sparse", "true", "--distill-rank", "2"]
     assert main(_args(tiny_model_dir, out, 2, "sparse-tis", block)) == 0
     steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
-    assert all(r["kv_attended_frac"] < 0.9 and r["kv_peak_frac"] >= 1.0 and r["kv_compressions"] == 0 for r in steps)
+    assert all(r["kv_attended_frac"] < 0.9 and r["kv_peak_bytes"] >= r["kv_dense_bytes"] and r["kv_compressions"] == 0 for r in steps)
     # The replay reproduces the block-sparse sampler, which reads fewer keys than the dense policy: they differ.
     assert all(r["distill_logp_gap"] > 0 and r["distill_grad_norm"] > 0 for r in steps)
 

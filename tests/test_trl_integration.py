@@ -202,7 +202,9 @@ def test_a_sparse_run_through_trl_learns_the_builtin_task(tmp_path):
     rewards = [record["reward"] for record in logs]
     assert len(rewards) == 8 and sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
     assert sampled_reward() > before + 0.05
-    assert all(0.3 < record["sparserl/kv_peak_frac"] < 1 and "sparserl/xi_mean" in record for record in logs)
+    # The cache was compressed: its peak below what a dense cache of the same rows would reach.
+    assert all(0.3 < record["sparserl/kv_peak_bytes"] / record["sparserl/kv_dense_bytes"] < 1
+               and "sparserl/xi_mean" in record for record in logs)
 
 
 # ------------------------------------------------------------------------ honoured or refused, in one line
@@ -344,7 +346,7 @@ def test_speculative_rollouts_log_their_acceptance_and_kv_figures_per_row(tmp_pa
     trainer._generate_and_score_completions(_rows())
     logged = trainer._metrics["train"]
     assert logged["sparserl/spec_acceptance_rate"] and logged["sparserl/spec_tokens_per_verification"]
-    assert 1.0 <= logged["sparserl/kv_peak_frac"][0] < 1.5
+    assert 1.0 <= logged["sparserl/kv_peak_bytes"][0] / logged["sparserl/kv_dense_bytes"][0] < 1.5
 
 
 def test_every_grpo_setting_is_read_applied_or_refused():

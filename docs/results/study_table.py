@@ -10,7 +10,9 @@ under dense and under sparse inference (R-KV at the run's budget), at step 0 and
 (`final_eval.json`). Reward is the training batch's mean first two and last two steps.
 B is the R-KV budget of the sparse rollouts and of sparse inference (a dense run uses it only
 there). The α tail is the lowest per-length-bin 5th percentile of α over the sparse rollouts, mean
-over steps; KV peak is the rollouts' measured peak as a share of dense's on the same rows.
+over steps. KV saved is 1 − the run's measured peak KV bytes (largest over its steps) / the peak of the dense run of
+the same seed (at any budget: a dense run's training does not read it), which sampled the same prompts at every step
+(`rollout.batch.kv_saved`); "no dense run" where the study has none for that seed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from sparserl.rollout.batch import kv_saved
 
 # Rows in this order; any other mode found follows, by name.
 ORDER = ("dense", "naive-sparse", "sparse-rl", "geo-rs", "sparrow")
@@ -51,7 +55,19 @@ def runs(budget_dir: Path, mode: str) -> tuple[list[tuple[list[dict], dict, dict
     return found, stopped
 
 
-def row(budget: int, mode: str, found, stopped: list[str]) -> str:
+def dense_peaks(study: Path) -> dict[int, float]:
+    """The dense runs' peak KV bytes by seed (their largest over steps), stopped runs included, from any budget's
+    directory: a dense run's training does not read the budget (only its sparse-inference evaluation does)."""
+    peaks = {}
+    for run in sorted(study.glob("b*/dense/seed*")):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps = [r["kv_peak_bytes"] for r in records if "kv_peak_bytes" in r]
+        if steps:
+            peaks[int(run.name[4:])] = max(steps)
+    return peaks
+
+
+def row(budget: int, mode: str, found, stopped: list[str], dense: dict[int, float]) -> str:
     seeds = f"{len(found)}" + "".join(f"; {note}" for note in stopped)
     if not found:
         return f"| {mode} | {budget} | {seeds} |" + " — |" * 12
@@ -66,7 +82,7 @@ def row(budget: int, mode: str, found, stopped: list[str]) -> str:
         cell([statistics.mean(s["reward_mean"] for s in r[:2]) for r in steps], "{:.2f}"),
         cell([statistics.mean(s["reward_mean"] for s in r[-2:]) for r in steps], "{:.2f}"),
         cell([mean("alpha_tail", r) for r in steps if any("alpha_tail" in s for s in r)], "{:.2f}"),
-        cell([mean("kv_peak_bytes", r) / mean("kv_dense_bytes", r) for r in steps], "{:.0%}"),
+        kv_saved_cell(mode, found, dense),
         cell([r[0].get("flagged_veto_frac", 0.0) for r in steps], "{:.0%}"),
         cell([mean("rejected_token_frac", r) for r in steps], "{:.0%}"),
         cell([mean("step_s", r) for r in steps], "{:.0f}"),
@@ -75,18 +91,28 @@ def row(budget: int, mode: str, found, stopped: list[str]) -> str:
     return f"| {mode} | {budget} | {seeds} | " + " | ".join(cells) + " |"
 
 
+def kv_saved_cell(mode: str, found, dense: dict[int, float]) -> str:
+    if mode == "dense":
+        return "—"
+    pairs = [(max(s["kv_peak_bytes"] for s in records if "kv_peak_bytes" in s), dense.get(config["train"]["seed"]))
+             for records, config, _ in found]
+    measured = [kv_saved(peak, dense_peak) for peak, dense_peak in pairs if dense_peak]
+    return cell(measured, "{:.0%}") if len(measured) == len(pairs) else "no dense run for every seed"
+
+
 def main(study: Path) -> None:
     print("| mode | B | seeds | acc dense inf., step 0 | after | acc sparse inf., step 0 | after | "
-          "reward, first 2 steps | last 2 | α tail | KV peak / dense | step-1 veto | rejected tokens | "
+          "reward, first 2 steps | last 2 | α tail | KV saved (peak vs dense run) | step-1 veto | rejected tokens | "
           "step s | rollout / recompute / update s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    dense = dense_peaks(study)
     for budget_dir in sorted(study.glob("b*"), key=lambda d: -int(d.name[1:])):
         modes = sorted((d.name for d in budget_dir.iterdir() if d.is_dir()),
                        key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
         for mode in modes:
             found, stopped = runs(budget_dir, mode)
             if found or stopped:
-                print(row(int(budget_dir.name[1:]), mode, found, stopped))
+                print(row(int(budget_dir.name[1:]), mode, found, stopped, dense))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ def _eval(args) -> int:
     result = run_eval(config, n=args.n, samples=args.samples, inference=inference)
     write_json(Path(args.out), result)
     # Every inference asked for, each with its flat figures (the file has the nested ones too).
-    print(json.dumps({mode: {k: v for k, v in result[mode].items() if not isinstance(v, dict)}
-                      for mode in ("dense", "sparse") if mode in result}, indent=2))
+    shown = {mode: {k: v for k, v in result[mode].items() if not isinstance(v, dict)}
+             for mode in ("dense", "sparse") if mode in result}
+    shown.update({k: result[k] for k in ("kv_saved", "kv_saved_note") if k in result})
+    print(json.dumps(shown, indent=2))
     return 0

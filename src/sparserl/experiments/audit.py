@@ -143,8 +143,9 @@ def audit_table(result: dict) -> str:
         else f"block-sparse attention, budget {c['budget']} in pages of {c['page_size']}, {c['dense_layers']} dense layers"
     return (f"{result['wrong']} of {result['examples']} greedy sparse rollouts deviate from the demonstration "
             f"({settings}; "
-            f"{result['layers']} layers; peak KV {result['kv']['kv_peak_bytes'] / 2**20:.2f} MiB, "
-            f"{result['kv']['kv_peak_frac']:.0%} of dense, {result['kv']['rows_in_flight']} rows at once).\n\n"
+            f"{result['layers']} layers; peak KV {result['kv']['kv_peak_bytes'] / 2**20:.2f} MiB with "
+            f"{result['kv']['rows_in_flight']} rows at once; KV saved against dense: `sparserl eval --inference "
+            "both`).\n\n"
             + "\n".join(lines) +
             f"\n\nBaseline: where the sparse sampler wrote a value correctly ({result['correct_values']} values), "
             f"the link it needed had been evicted in all layers {pct(result['correct_values_needed_evicted_all_layers'])} "

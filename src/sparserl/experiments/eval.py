@@ -1,8 +1,9 @@
 """`sparserl eval`: held-out accuracy of a model, a run or a checkpoint, under dense or sparse inference.
 
 Writes the JSON that `sparserl eval` prints: accuracy, pass@k (unbiased estimator), token counts,
-the reward failures met while scoring, and, under sparse inference, the KV figures of the rollouts
-(the evaluation itself is `train.evaluation.evaluate_policy`).
+the reward failures met while scoring, the KV figures of the rollouts, and with `--inference both` the KV saved:
+1 − the sparse greedy rollouts' peak bytes / the dense ones' on the same prompts (the evaluation itself is
+`train.evaluation.evaluate_policy`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..rollout.batch import kv_saved
 from ..rollout.dispatch.scheduler import RowLimits
 from ..rollout.sparsity.settings import sparsity_from_config
 from ..tasks.base import Example, Task
@@ -105,4 +107,9 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     headline = report[modes[0]]
     report.update(headline)
     report["inference"] = modes[0] if len(modes) == 1 else "both (headline: dense)"
+    if "sparse" in report:
+        report["kv_saved"] = kv_saved(report["sparse"]["kv"]["kv_peak_bytes"],
+                                      report["dense"]["kv"]["kv_peak_bytes"] if "dense" in report else None)
+        if report["kv_saved"] is None:
+            report["kv_saved_note"] = "no dense run on these prompts: --inference both measures the dense peak"
     return report

@@ -1,7 +1,8 @@
 """`sparserl sweep`: how a model fares under each KV budget, and which budgets are the two regimes.
 
 For every budget of a grid it measures, on the same held-out prompts, greedy accuracy and exact
-walks under sparse inference (against dense), the peak KV bytes as a fraction of dense, and, on
+walks under sparse inference (against dense), the KV saved (1 − the sparse peak bytes / the dense greedy
+rollouts' peak bytes on the same prompts), and, on
 sampled rollouts scored by a dense recompute, what Sparse-RL's default filters reject (veto and
 band rates) and the 1% quantile of ξ = π_old / π_sparse. It then names the two regimes of the
 built-in experiment (README, "Regimes"):
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from ..config.corrections import CorrectionConfig
 from ..learner.corrections import compute_corrections
 from ..model.forward import batched_logprobs
+from ..rollout.batch import kv_saved
 from ..rollout.dispatch.scheduler import RowLimits
 from ..rollout.sparsity.eviction import KVCompression
 from ..rollout.sparsity.settings import sparsity_from_config
@@ -84,11 +86,11 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
         sampled = mismatch.pop("_completions")
         hits = rewards.score_examples(examples[:sample_prompts], sampled.texts, sampled.ids, samples)
         kv = sparse["kv"]
+        saved = kv_saved(kv["kv_peak_bytes"], dense["kv"]["kv_peak_bytes"])
         rows.append({"budget": budget, "accuracy_sparse": sparse["accuracy"],
                      "walk_exact_sparse": sparse.get("walk_exact"), "gap": dense["accuracy"] - sparse["accuracy"],
-                     "kv_peak_frac": kv["kv_peak_frac"], "kv_kept_frac": kv["kv_kept_frac"],
-                     "kv_attended_frac": kv["kv_attended_frac"],
-                     "saved_frac": 1 - (kv["kv_attended_frac"] if kv["sparsity"] == "block" else kv["kv_peak_frac"]),
+                     "kv_saved": saved, "kv_kept_frac": kv["kv_kept_frac"], "kv_attended_frac": kv["kv_attended_frac"],
+                     "saved_frac": 1 - kv["kv_attended_frac"] if kv["sparsity"] == "block" else saved,
                      "kv_peak_bytes": kv["kv_peak_bytes"], "rows_in_flight": kv["rows_in_flight"],
                      "sampled_accuracy_sparse": accuracy(hits), **mismatch})
     settings = {key: value for key, value in kv.items() if key in ("sparsity", "policy", "window", "interval",
@@ -113,14 +115,14 @@ def sweep_table(result: dict) -> str:
     sparsity = result["sparsity"]
     block = sparsity["sparsity"] == "block"
     # Block-sparse attention keeps every token: its figure is the share of cached keys it reads.
-    memory = "attended share" if block else "peak KV / dense | KV tokens kept"
+    memory = "attended share" if block else "KV saved (peak vs dense) | KV tokens kept"
     header = (f"| budget | sparse greedy acc | exact walks | dense − sparse | veto rate | band rate | ξ q01 "
               f"| {memory} | regime |\n|" + "---|" * (10 - block))
     lines = [header]
     for r in result["rows"]:
         mark = {result["paper_regime_budget"]: "paper", result["stress_regime_budget"]: "stress"}.get(r["budget"], "")
         exact = "—" if r["walk_exact_sparse"] is None else f"{100 * r['walk_exact_sparse']:.1f}%"
-        figures = f"{r['kv_attended_frac']:.2f}" if block else f"{r['kv_peak_frac']:.2f} | {r['kv_kept_frac']:.2f}"
+        figures = f"{r['kv_attended_frac']:.2f}" if block else f"{r['kv_saved']:.0%} | {r['kv_kept_frac']:.2f}"
         lines.append(f"| {r['budget']} | {100 * r['accuracy_sparse']:.1f}% | {exact} | {100 * r['gap']:+.1f} "
                      f"| {r['veto_frac']:.3f} | {r['band_frac']:.3f} | {r['xi_q01']:.2g} | {figures} | {mark} |")
     d = result["dense"]

@@ -157,7 +157,8 @@ def write_plots(out: Path, runs: dict[str, list[dict]], tau: float) -> list[str]
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     _bars(left, runs, "kv_peak", "MiB", "Peak KV memory in training rollouts")
-    _bars(right, runs, "kv_saved", "% of dense", "KV tokens saved in training rollouts", scale=100)
+    _bars(right, runs, "kv_saved", "% of the dense run's peak", "KV saved in training rollouts (peak bytes)",
+          scale=100)
     _finish(fig, out / "kv_memory.png", [left, right])
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))

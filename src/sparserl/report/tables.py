@@ -14,8 +14,10 @@ or malformed `final_eval.json` makes its run incomplete too, and the problem is 
 table (report.md and the command line); a bad line in a `metrics.jsonl` stops the report with an error
 naming the file and the line (`metrics_log.read_metrics`).
 
-KV columns describe the *training rollouts* (what Sparse-RL's "KV storage saved" measures): the
-mean of `kv_kept_frac` and the largest `kv_peak_bytes` / `kv_dense_bytes` over the steps.
+KV columns describe the *training rollouts* (what Sparse-RL's "KV storage saved" measures): a run's peak is the
+largest `kv_peak_bytes` over its steps, and its KV saved is 1 − that peak / the peak of the dense run of the same
+seed, which sampled the same prompts (`rollout.batch.kv_saved`); without a dense run it is not measured, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import yaml
 
 from ..config.presets import mode_with_role
 from ..errors import UserError
+from ..rollout.batch import kv_saved
 from ..train.layout import (
     COMPARE_FILE,
     CONFIG_FILE,
@@ -47,18 +50,16 @@ TARGET_ACC_FRAC = 97.0  # paper: Sparse-RL keeps ~97% of dense accuracy ...
 MIN_EVAL_EXAMPLES = 100  # below this many held-out examples (or MIN_STEPS steps) verdicts carry a caveat
 MIN_STEPS = 20
 TABLE_HEADER = ("Mode", "Held-out acc (dense inf.)", "Held-out acc (sparse inf.)", "Exact walks (dense inf.)",
-                "Acc at step 0 (dense / sparse)", "KV saved", "Peak KV MiB (sparse / dense)", "Rows in flight",
+                "Acc at step 0 (dense / sparse)", "KV saved (peak vs dense run)", "Peak KV MiB (run / dense run)",
+                "Rows in flight",
                 "Rollout s", "Step s (mean)", "Final train reward", "Rejected tokens / seq. (applied)", "Skipped steps")
 MISMATCH_KEYS = (("xi_q01", "mean"), ("xi_min", "min"), ("kl_sampler_old", "mean"), ("flagged_veto_frac", "mean"),
                  ("flagged_band_frac", "mean"), ("ess", "mean"), ("response_len_mean", "mean"),
                  ("walk_exact", "mean"))
-# A DistillSparse run's mode label: the preset alone would not tell it from the same mode without.
-# The numbers the report takes from final_eval.json: summary key -> where they are in the file.
-# A field's later paths are the names files written by earlier versions use (`kept_token_frac`: before
-# the KV figures took one set of names, `KVStats.summary`).
+# The numbers the report takes from final_eval.json: summary key -> the paths where they are in the file (a field's
+# later paths are the names files written by earlier versions use).
 FINAL_EVAL_FIELDS = {"acc_dense": (("dense", "accuracy"),), "exact_dense": (("dense", "walk_exact"),),
                      "acc_sparse": (("sparse", "accuracy"),), "exact_sparse": (("sparse", "walk_exact"),),
-                     "kv_kept": (("sparse", "kv", "kv_kept_frac"), ("sparse", "kv", "kept_token_frac")),
                      "rollout_total": (("rollout_seconds",),)}
 
 
@@ -120,13 +121,9 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
         for key, logged in ((f"acc_{kind}", f"eval_accuracy_{kind}"), (f"exact_{kind}", f"eval_walk_exact_{kind}")):
             s[key] = final[key] if final.get(key) is not None else last_eval.get(logged)
         s[f"acc0_{kind}"] = start.get(f"eval_accuracy_{kind}")
-    kept = _mean(series(steps, "kv_kept_frac")[1])
-    if kept is None:
-        kept = final.get("kv_kept")
-    s["kv_saved"] = None if kept is None else 1.0 - kept
-    peaks, denses = series(steps, "kv_peak_bytes")[1], series(steps, "kv_dense_bytes")[1]
+    peaks = series(steps, "kv_peak_bytes")[1]
     s["kv_peak"] = max(peaks) / MIB if peaks else None
-    s["kv_dense"] = max(denses) / MIB if denses else None
+    s["kv_dense_peak"] = s["kv_saved"] = None  # against the dense run of the same seed, once `load` has it
     s["rollout_total"] = final["rollout_total"] if final.get("rollout_total") is not None else \
         (sum(series(steps, "rollout_s")[1]) if steps else None)
     in_flight = series(steps, "rows_in_flight")[1]
@@ -183,6 +180,13 @@ def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
     for mode in meta.get("modes", []):
         run_dirs = [compare_dir / mode / f"seed{seed}" for seed in seeds]
         runs[label(mode, run_dirs, meta.get("config") or {})] = [summarise_run(mode, d) for d in run_dirs]
+    baseline = runs.get(mode_with_role("baseline"))
+    for mode, per_seed in runs.items():
+        if baseline is None or mode == mode_with_role("baseline"):
+            continue
+        for run, dense in zip(per_seed, baseline):  # the same seed: the same prompts at every step
+            run["kv_dense_peak"] = dense.get("kv_peak")
+            run["kv_saved"] = None if run.get("kv_peak") is None else kv_saved(run["kv_peak"], run["kv_dense_peak"])
     return meta, runs
 
 
@@ -195,7 +199,8 @@ def _row(mode: str, seeds: list[dict]) -> list[str]:
     incomplete = sum(s["status"] == "incomplete" for s in done)
     label = mode + (f" ({incomplete} incomplete)" if incomplete else "") + \
         (f" ({len(done)} of {len(seeds)} seeds)" if len(done) < len(seeds) else "")
-    peak = DASH if all(v is None for v in col("kv_peak")) else f"{cell(col('kv_peak'), '.2f')} / {cell(col('kv_dense'), '.2f')}"
+    peak = DASH if all(v is None for v in col("kv_peak")) else \
+        f"{cell(col('kv_peak'), '.2f')} / {cell(col('kv_dense_peak'), '.2f')}"
     rejects = any(v for v in col("rejected_tokens"))
     return [label, cell(col("acc_dense")), cell(col("acc_sparse")), cell(col("exact_dense")),
             f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}", cell(col("kv_saved")), peak,
@@ -208,16 +213,15 @@ def _row(mode: str, seeds: list[dict]) -> list[str]:
 def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
     """What sets the sparse regime of the comparison apart, over the sparse runs: at step 0 (the start
     model) the dense − sparse greedy-accuracy gap, the veto rate and the α tail; over training the
-    peak KV bytes against dense, the KV tokens saved and the attended share (README, "Regimes")."""
+    KV saved against the dense run (peak bytes, same seeds) and the attended share (README, "Regimes")."""
     sparse = [s for mode, seeds in runs.items() if mode != mode_with_role("baseline")
               for s in seeds if s["status"] != "not run"]
     gaps = [s["acc0_dense"] - s["acc0_sparse"] for s in sparse
             if s.get("acc0_dense") is not None and s.get("acc0_sparse") is not None]
     return {"gap0": gaps, "veto0": [s["veto0"] for s in sparse if s.get("veto0") is not None],
             "alpha_tail0": [s["alpha_tail0"] for s in sparse if s.get("alpha_tail0") is not None],
-            # The run's largest cache against its longest dense one, as the table's MiB columns (a
-            # per-step ratio is inflated by steps whose responses all ended early).
-            "kv_peak_frac": [s["kv_peak"] / s["kv_dense"] for s in sparse if s.get("kv_peak") and s.get("kv_dense")],
+            # Each run's largest cache against its dense run's, as the table's MiB columns (a per-step ratio is
+            # inflated by steps whose responses all ended early).
             "kv_saved": [s["kv_saved"] for s in sparse if s.get("kv_saved") is not None],
             "attended": [s["attended"] for s in sparse if s.get("attended") is not None]}
 
@@ -237,8 +241,9 @@ def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
                     f"interval {setting(config, 'kv_interval')})")
     return (f"Regime: {sparsity}; step-0 greedy accuracy "
             f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
-            f"peak KV bytes {cell(r['kv_peak_frac'])} of dense; KV tokens saved (mean over rollouts) "
-            f"{cell(r['kv_saved'])}; step-0 α tail (5th percentile, worst length bin) "
+            f"KV saved (peak bytes against the dense run of each seed, same prompts) "
+            f"{cell(r['kv_saved']) if r['kv_saved'] else 'not measured (no dense run in this comparison)'}; "
+            f"step-0 α tail (5th percentile, worst length bin) "
             + (cell(r["alpha_tail0"], ".3f") if r["alpha_tail0"] else "not logged by these runs") + ".")
 
 
@@ -366,8 +371,9 @@ def write_report(compare_dir: Path) -> Path:
         paper_table(compare_dir), "",
         "Cells are the mean over seeds with the (min–max) range. Held-out accuracies come from `final_eval.json` "
         "(incomplete runs: their latest in-training evaluation); exact walks are responses equal to the "
-        "demonstration. KV saved is 1 − mean `kv_kept_frac` of the training rollouts; peak MiB is the largest "
-        "over steps. Final train reward is the mean `reward_mean` over the last 10% of steps.", "",
+        "demonstration. Peak KV MiB is a run's largest `kv_peak_bytes` over its training steps; KV saved is 1 − that "
+        "peak / the dense run's of the same seed (the same prompts at every step). Final train reward is the mean "
+        "`reward_mean` over the last 10% of steps.", "",
         "## Mismatch metrics (over training)", "",
         "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
         _mismatch_table(runs), "",

@@ -41,9 +41,21 @@ class EvictionEvent:
     kept_columns: torch.Tensor
 
 
+def kv_saved(sparse_peak_bytes: float, dense_peak_bytes: float | None) -> float | None:
+    """KV saved, the one figure sparserl reports under that name: 1 − the sparse sampler's measured peak bytes / the
+    dense sampler's measured peak bytes on the same prompts. None where no dense run was measured (say so, rather
+    than divide by a bound: a dense cache padded to the response cap, or evicted tokens, overstate it)."""
+    if not dense_peak_bytes:
+        return None
+    return 1.0 - sparse_peak_bytes / dense_peak_bytes
+
+
 @dataclass
 class KVStats:
-    """What a rollout's cache cost; bytes are measured from the buffers' own `nbytes`."""
+    """What a rollout's cache cost; bytes are measured from the buffers' own `nbytes`. `kv_dense_bytes` is a bound,
+    not a measurement: what a dense cache of the rows first in flight would hold at the prompt width plus the longest
+    response *this* sampler wrote (a sparse sampler that loops to the cap inflates it); `kv_saved` compares
+    measured peaks instead."""
 
     kv_peak_bytes: int = 0
     kv_dense_bytes: int = 0
@@ -87,7 +99,6 @@ class KVStats:
         kept, evicted = self.kept_tokens, self.evicted_tokens
         return {
             "kv_peak_bytes": self.kv_peak_bytes, "kv_dense_bytes": self.kv_dense_bytes,
-            "kv_peak_frac": self.kv_peak_bytes / max(self.kv_dense_bytes, 1),
             "kv_kept_tokens_mean": float(kept.mean()), "kv_evicted_tokens_mean": float(evicted.mean()),
             "kv_kept_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
             "kv_compressions": self.compressions,
