@@ -115,21 +115,26 @@ def test_selection_matches_brute_force(keep):
         query, keys, real = _random_case(seed)
         scores = _brute_scores(query, keys, real, PAGE)
         sink = torch.tensor([next(s for s in range(23) if real[n, s]) // PAGE for n in range(5)])
-        ours = select_pages(scores, sink, keep)
+        ours = select_pages(scores, _forced(sink, scores.shape[1]), keep)
         assert (ours[:, 1:] > ours[:, :-1]).all()  # ascending, no repeats
         assert [set(row.tolist()) for row in ours] == _brute_selection(scores, real, PAGE, keep)
+
+
+def _forced(sink: torch.Tensor, pages: int) -> torch.Tensor:
+    """The pages every row attends: its sink and the last two."""
+    return torch.stack([sink, torch.full_like(sink, pages - 2), torch.full_like(sink, pages - 1)], dim=1)
 
 
 def test_selection_ties_go_to_the_earlier_page():
     scores = torch.tensor([[1.0, 2.0, 2.0, 2.0, 1.0, 2.0, 0.0, 0.0],
                            [float("-inf"), 3.0, 3.0, 3.0, 3.0, 3.0, 5.0, 5.0]])
     sink = torch.tensor([0, 1])
-    ours = select_pages(scores, sink, keep=5)
+    ours = select_pages(scores, _forced(sink, 8), keep=5)
     real = torch.ones(2, 8 * PAGE, dtype=torch.bool)
     real[1, :PAGE] = False
     expected = [{0, 1, 2, 6, 7}, {1, 2, 3, 6, 7}]
     assert [set(r.tolist()) for r in ours] == _brute_selection(scores, real, PAGE, 5) == expected
-    assert torch.equal(select_pages(scores, sink, 5), ours)
+    assert torch.equal(select_pages(scores, _forced(sink, 8), 5), ours)
 
 
 def test_selector_gathers_the_brute_force_pages(tiny):

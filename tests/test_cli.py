@@ -231,8 +231,8 @@ def test_eval_both_prints_both(tiny_model_dir, tmp_path, capsys):
                  "--kv-budget", "8", "--kv-window", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
     result = json.loads(out.read_text())
-    assert list(printed) == ["dense", "sparse"]
-    for mode in printed:
+    assert list(printed) == ["dense", "sparse", "kv_saved"] and printed["kv_saved"] == result["kv_saved"]
+    for mode in ("dense", "sparse"):
         assert printed[mode]["accuracy"] == result[mode]["accuracy"]
 
 

@@ -157,20 +157,19 @@ def test_sliding_window_layers_with_joins(sparsity):
 # --- the cache's invariants, read at every step --------------------------------------------------------------
 
 def _check_state(loop: decode_loop.DecodeLoop, problems: list[str]) -> None:
-    rows = len(loop.rows)
-    assert sum(cohort.size for cohort in loop.cohorts) == rows == len(loop.row_start)
+    rows = loop.batch_rows
+    assert sum(cohort.size for cohort in loop.cohorts) == rows == len(loop.rows.requests)
     firsts = loop._firsts()
     for index, layer in enumerate(loop.cache.layers):
         assert layer.batch == rows == layer.keys.shape[0] == layer.real.shape[0]
         lengths = [layer.length] * rows if layer.row_lengths is None else [int(n) for n in layer.row_lengths]
         if rows:
             assert max(lengths) == layer.length
-        if layer.row_lengths is not None:
-            assert layer._row_lengths_device.tolist() == lengths
-            for row, length in enumerate(lengths):
-                if layer.real[row, :, length:].any():
-                    problems.append(f"layer {index} row {row}: a real slot past its length {length}")
+        if layer.slot_counts.tolist() != lengths:
+            problems.append(f"layer {index}: the device counts {layer.slot_counts.tolist()} against {lengths}")
         for row, length in enumerate(lengths):
+            if layer.real[row, :, length:].any():  # the static step reads the whole buffer
+                problems.append(f"layer {index} row {row}: a real slot past its length {length}")
             columns = layer.columns[row, :, :length]
             if length > 1 and not bool((columns.diff(dim=-1) > 0).all()):
                 problems.append(f"layer {index} row {row}: columns out of order")
@@ -179,8 +178,8 @@ def _check_state(loop: decode_loop.DecodeLoop, problems: list[str]) -> None:
                 problems.append(f"layer {index}: a cohort's rows hold different lengths")
         mass = loop.provider.mass.get(index)
         if mass is not None:
-            if tuple(mass.shape) != (rows, layer.kv_heads, layer.length):
-                problems.append(f"layer {index}: mass {tuple(mass.shape)} for {rows} rows of {layer.length} slots")
+            if tuple(mass.shape) != (rows, layer.kv_heads, layer.capacity):
+                problems.append(f"layer {index}: mass {tuple(mass.shape)} for {rows} rows of {layer.capacity} slots")
             else:
                 for row, length in enumerate(lengths):
                     if mass[row, :, length:].abs().sum() > 0:
@@ -192,17 +191,17 @@ def _check_state(loop: decode_loop.DecodeLoop, problems: list[str]) -> None:
 
 @pytest.fixture
 def watched(monkeypatch):
-    """Checks the loop's state before every draw (after each prefill, join, compression and forward)."""
+    """Checks the loop's state before every decode step (after each prefill, join, release and compression)."""
     problems: list[str] = []
     states: list[tuple[int, bool]] = []  # (rows, whether any layer held per-row lengths)
-    draw = decode_loop.DecodeLoop._draw
+    decode = decode_loop.DecodeLoop._decode
 
-    def checked(loop, logits, step):
+    def checked(loop, step):
         _check_state(loop, problems)
-        states.append((len(loop.rows), any(layer.row_lengths is not None for layer in loop.cache.layers)))
-        return draw(loop, logits, step)
+        states.append((loop.batch_rows, any(layer.row_lengths is not None for layer in loop.cache.layers)))
+        return decode(loop, step)
 
-    monkeypatch.setattr(decode_loop.DecodeLoop, "_draw", checked)
+    monkeypatch.setattr(decode_loop.DecodeLoop, "_decode", checked)
     return problems, states
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,7 +79,8 @@ def test_model_command_without_the_package_says_how_to_install_it(tmp_path, caps
 @pytest.mark.parametrize("eos, compression", [(False, None), (True, None), (True, "rkv"), (False, "snapkv")])
 def test_decode_loop_host_syncs(monkeypatch, eos, compression):
     """Device-to-host reads (`.item()`, `bool()`, `int()`, `float()` of a tensor) in a rollout on a GPU:
-    none per decode step without EOS, one per step (the stop check) with it, a bounded few otherwise.
+    none per decode step without EOS, one every `check_every` steps (the stop check) with it, a bounded few
+    otherwise.
     The policies' CPU-only shortcuts (`host_reads_are_cheap`) are turned off, as on a GPU."""
     from conftest import make_tiny_model, without_host_reads
 
@@ -104,7 +106,8 @@ def test_decode_loop_host_syncs(monkeypatch, eos, compression):
     sampling = SamplingConfig(steps, 1.0, tokenizer.eos_token_id if eos else None, tokenizer.pad_token_id)
     engine.generate([[5] * 10] * 4, sampling, torch.Generator().manual_seed(0))
     per_step = counts["n"] / steps
-    assert per_step <= (1.0 if eos else 0.0) + 0.5, counts
+    # With EOS, the loop reads which rows ended every `check_every` steps (and at the length limit).
+    assert per_step <= (1 / engine.check_every if eos else 0.0) + 0.5, counts
 
 
 def test_the_dense_recompute_runs_sdpa_and_matches_eager_attention(tiny_model_dir, monkeypatch):
@@ -140,6 +143,23 @@ def test_the_gpu_smoke_script_runs_as_a_cpu_dry_run(tmp_path):
     assert "train step: {" in done.stdout and "'rollout_s'" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 128 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["dense", "rkv B=32"]
+
+
+def test_the_gpu_decode_bench_runs_as_a_cpu_dry_run(tmp_path):
+    """`bench/gpu_decode.py --device cpu --small`: every cell, the peer and the ξ baselines run, and the table says
+    no host read in the decode steps it counted."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_decode.py"
+    out = tmp_path / "decode.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), "--device", "cpu", "--small"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in records if r["what"] in ("error", "skipped")], records
+    cells = [r for r in records if r["what"] == "cell" and r["method"] != "hf-generate"]
+    assert {r["method"] for r in cells} == {"dense", "rkv", "snapkv", "block", "spec-window", "spec-block"}
+    assert all(r["host_reads_per_step"] == 0 for r in cells if not r["method"].startswith("spec"))
+    assert [r["what"] for r in records].count("xi-baseline") == 2 and "| L × rows |" in done.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -204,7 +204,7 @@ def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
         def score(self, inputs):
             scores = super().score(inputs)
             real, _ = inputs.per_kv_head()
-            kept_up = self._distribution(self._row_sums[inputs.layer_idx], real)
+            kept_up = self._distribution(self._row_sums[inputs.layers], real)
             assert torch.allclose(kept_up, self.redundancy(inputs.keys, real), atol=1e-6)
             CheckedRKV.checked += 1
             return scores

@@ -48,7 +48,7 @@ def make_inputs(per_head: bool = False, seed: int = 0, interleaved_pad: bool = F
         columns = torch.arange(L).expand(N, hs, L).clone()
     mass = torch.rand(N, HKV, L, generator=gen)
     return ScoringInputs(keys=keys, queries=queries, query_real=query_real, real=real, columns=columns,
-                         attention_mass=mass, layer_idx=0, num_layers=2)
+                         attention_mass=mass, layers=(0,))
 
 
 def real_of(inputs, n, h):
@@ -234,7 +234,7 @@ def compressed_then_extended(inputs, slots, gen, appended):
         query_real=torch.ones(n, W, dtype=torch.bool),
         real=torch.cat([inputs.real.gather(2, slots), torch.ones_like(new_columns, dtype=torch.bool)], dim=2),
         columns=torch.cat([inputs.columns.gather(2, slots), new_columns], dim=2),
-        attention_mass=None, layer_idx=0, num_layers=2)
+        attention_mass=None, layers=(0,))
 
 
 @pytest.mark.parametrize("per_head", [False, True])

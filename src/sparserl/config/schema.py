@@ -86,6 +86,7 @@ class RolloutConfig:
     worker_cpus: int = 1  # CPUs each rollout worker asks Ray for; a worker samples with the driver's torch thread count (so its shards are bit for bit the in-process ones), so give it at least that many
     rollout_kv_memory: str | None = None  # KV memory for the rows in flight: a size (64MiB, 20GiB) or auto (90% of the memory free after the weights); each row reserves what its cache can reach, so a compressed sampler runs more rows in the same bytes; none: no limit
     max_concurrent_rows: int = 0  # the most rows decoding at once (0: the whole step, or what --rollout-kv-memory holds)
+    compile_decode: Literal["auto", "true", "false"] = "auto"  # how the static decode step runs: auto (CUDA graphs on a GPU, eager elsewhere), true (graphs on a GPU, torch.compile elsewhere: slow to start, changes float rounding only), false (eager)
 
 
 # The KV policies' options (kv_lambda, kv_sinks, ...) are fields of the policies themselves
@@ -97,10 +98,10 @@ RolloutConfig.__module__ = __name__
 
 # Rollout settings grouped by what reads them, so that a command or an integration takes the groups it honours and
 # no other flag: the sparse sampler's (KV eviction or block attention, each KV policy's own options), the limits on
-# rows decoding at once, and the lossless speculative sampler's.
+# rows decoding at once and how the decode step runs, and the lossless speculative sampler's.
 SPARSITY_FIELDS = ("sparsity", "kv_policy", "kv_budget", "kv_window", "kv_interval", "kv_schedule", "kv_per_head",
                    "block_page_size", "block_dense_layers", *policy_options())
-ROW_LIMIT_FIELDS = ("rollout_kv_memory", "max_concurrent_rows")
+DECODE_FIELDS = ("rollout_kv_memory", "max_concurrent_rows", "compile_decode")
 SPECULATIVE_FIELDS = ("speculative", "speculative_draft", "draft_tokens")
 
 

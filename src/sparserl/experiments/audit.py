@@ -48,7 +48,7 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
     limits = setup.limits.for_inference()
     sampling = SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=0.0,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                              kv_memory_bytes=limits.kv_memory_bytes, max_rows=limits.max_rows)
+                              **limits.sampling_fields())
     layers = model.config.num_hidden_layers
     firsts, correct_values, batches = [], [], []
     for start in range(0, len(examples), batch_size):

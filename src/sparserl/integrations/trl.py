@@ -46,7 +46,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from ..config.corrections import CorrectionConfig
 from ..config.presets import correction_for
-from ..config.schema import ROW_LIMIT_FIELDS, SPARSITY_FIELDS, SPECULATIVE_FIELDS, load_config
+from ..config.schema import DECODE_FIELDS, SPARSITY_FIELDS, SPECULATIVE_FIELDS, load_config
 from ..errors import ConfigError
 from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections
@@ -64,7 +64,7 @@ if Version(trl.__version__).base_version.rsplit(".", 1)[0] != SUPPORTED_TRL:
                       f"{trl.__version__}: pip install 'trl=={SUPPORTED_TRL}.*'")
 
 # The rollout settings (`sparserl train`'s names) that the sampler reads.
-SAMPLER_SETTINGS = (*SPARSITY_FIELDS, *SPECULATIVE_FIELDS, *ROW_LIMIT_FIELDS, "ignore_eos", "alpha_bin_size")
+SAMPLER_SETTINGS = (*SPARSITY_FIELDS, *SPECULATIVE_FIELDS, *DECODE_FIELDS, "ignore_eos", "alpha_bin_size")
 # Where TRL takes the `sparserl train` settings a rollout function does not: said when one is passed to it.
 TRL_SETTING_OF = {
     "temperature": "GRPOConfig(temperature=...)", "group_size": "GRPOConfig(num_generations=...)",
@@ -161,7 +161,8 @@ class SparseRollouts:
             max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature,
             eos_token_id=None if self.rollout.ignore_eos else tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            prompt_width=max(len(p) for p in prompt_ids), **_row_limits(self.rollout, policy))
+            prompt_width=max(len(p) for p in prompt_ids),
+            **RowLimits.from_rollout_config(self.rollout, next(policy.parameters()).device).sampling_fields())
         seeds = generation_seeds(trainer, len(prompt_ids))
         sampler = self.samplers.get(self.spec)
         was_training = policy.training
@@ -231,11 +232,6 @@ def _tokenize(prompts: list, trainer: GRPOTrainer, tokenizer) -> list[list[int]]
             chat_template=getattr(trainer, "chat_template", None), **(getattr(trainer, "chat_template_kwargs", None)
                                                                          or {}))["input_ids"]]
     return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
-
-
-def _row_limits(rollout, model) -> dict:
-    limits = RowLimits.from_rollout_config(rollout, next(model.parameters()).device)
-    return {"kv_memory_bytes": limits.kv_memory_bytes, "max_rows": limits.max_rows}
 
 
 def _as_lists(batch: RolloutBatch, prompt_ids: list[list[int]]) -> dict[str, list]:

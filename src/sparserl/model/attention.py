@@ -14,7 +14,6 @@ transformers' eager attention applies it, before the mask.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Protocol
 
 import torch
@@ -38,9 +37,10 @@ class MaskProvider(Protocol):
     # or None to attend to every key under `mask`.
 
 
-_active_provider: contextvars.ContextVar[MaskProvider | None] = contextvars.ContextVar(
-    "sparserl_mask_provider", default=None
-)
+# The provider of the forward running now. A module global, not a ContextVar: torch.compile traces a global's read
+# (the static decode step compiles with fullgraph=True, `rollout/engine/step.py`) and cannot trace a ContextVar's.
+# A forward runs in one thread at a time here, and `masked_attention` restores what it replaced.
+_active_provider: MaskProvider | None = None
 
 
 def attend(
@@ -58,7 +58,7 @@ def attend(
 
     Shapes: query `[N, Hq, Q, D]`, key/value `[N, Hkv, K, D]`; returns `[N, Q, Hq, D]`.
     """
-    provider = _active_provider.get()
+    provider = _active_provider
     if provider is None:
         raise RuntimeError("sparserl attention ran outside masked_attention(); this is a bug")
     softcap = kwargs.get("softcap")
@@ -72,8 +72,13 @@ def attend(
     narrowed = select(layer_idx, query, mask) if select is not None else None
     if narrowed is not None:
         key, value, mask = narrowed
-    if q_len == 1 or softcap is not None:
-        # One decode token: a plain matmul and softmax beats the CPU SDPA kernel's per-call overhead (~12%
+    if softcap is None and q_len == 1 and query.device.type == "cuda":
+        # A decode query on a GPU: one fused kernel (SDPA's memory-efficient attention takes any mask) reads the keys
+        # once; the explicit matmul below would run a float-accumulating batched GEMM, a masked softmax and another
+        # GEMM, half of a decode step's GPU time at 4k cached tokens.
+        out = _decode_sdpa(query, key, value, mask, scaling)
+    elif q_len == 1 or softcap is not None:
+        # One decode token on a CPU: a plain matmul and softmax beats the CPU SDPA kernel's per-call overhead (~12%
         # of a rollout), and every decode step, dense or sparse, takes this same path. SDPA cannot
         # soft-cap, so a soft-capped layer's prefill (and replay) computes its scores here too. Queries are grouped
         # under their KV head, so that per-KV-head masks broadcast without copying keys.
@@ -94,6 +99,21 @@ def attend(
             attn_mask=mask.reshape(batch * kv_heads, 1, q_len, k_len))
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
     return out, None
+
+
+def _decode_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:
+    """Decode attention `[N, Hq, 1, D]` by SDPA, each KV head with its query group as one batch entry, so that a mask
+    `[N, Hm, 1, K]` (one per layer or per KV head) is a view and no key is repeated."""
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    grouped = query.reshape(batch * kv_heads, group, 1, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped, key.reshape(batch * kv_heads, 1, k_len, head_dim), value.reshape(batch * kv_heads, 1, k_len, head_dim),
+        attn_mask=mask.expand(batch, kv_heads, 1, k_len).reshape(batch * kv_heads, 1, 1, k_len), scale=scaling,
+        enable_gqa=True)
+    return out.reshape(batch, q_heads, 1, head_dim)
 
 
 def _explicit_attention(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -128,9 +148,10 @@ class FixedMasks:
 @contextlib.contextmanager
 def masked_attention(model: torch.nn.Module, provider: MaskProvider):
     """Route the model's attention through `attend` with `provider` for the duration."""
+    global _active_provider
     configs = _attention_configs(model)
     previous = [c._attn_implementation for c in configs]
-    token = _active_provider.set(provider)
+    replaced, _active_provider = _active_provider, provider
     for config in configs:
         config._attn_implementation = IMPLEMENTATION_NAME
     try:
@@ -138,7 +159,7 @@ def masked_attention(model: torch.nn.Module, provider: MaskProvider):
     finally:
         for config, impl in zip(configs, previous):
             config._attn_implementation = impl
-        _active_provider.reset(token)
+        _active_provider = replaced
 
 
 def _attention_configs(model: torch.nn.Module) -> list:

@@ -27,9 +27,10 @@ class SamplingConfig:
     # cache is compressed, then do not depend on which rows share its batch. None: the batch's longest.
     prompt_width: int | None = None
     # The rollout scheduler's limits on rows in flight (`scheduler.py`): a KV memory budget in bytes
-    # (None: none) and a row count (0: none).
+    # (None: none) and a row count (0: none); and how the static decode step runs (`engine/step.py`).
     kv_memory_bytes: int | None = None
     max_rows: int = 0
+    compile_decode: str = "auto"
 
 
 @dataclass

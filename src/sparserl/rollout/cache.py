@@ -15,10 +15,11 @@ they are never compressed. A window that every layer has (Mistral, Phi-3: `slidi
 `layer_types`) masks by distance too, but its layers are compressed as full-attention ones.
 
 Rows that joined the batch at different times (the engine refills freed rows, `decode_loop.py`)
-hold different numbers of slots: the layer then keeps a length per row, writes each row's new
-tokens after its own slots, and, while lengths differ, keeps every slot past a row's length unreal,
-so the mask hides it. With one length for all rows (the usual case) the layer runs the plain code,
-slot for slot, and reads nothing past the length.
+hold different numbers of slots: each row's new tokens go after its own slots, and every slot past a row's
+length stays unreal, so the mask hides it. A prefill writes one length for all rows; decoding writes through the
+static step (`engine/step.py`), which reads whole buffers (the capacity, at most one growth past the longest row)
+and writes each row at its own slot count, kept on the device (`slot_counts`) while the host keeps the same counts
+for the decisions that must not wait for the device (growth, compressions).
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from ..model.structure import layer_types, layer_windows, text_config
 
 
 class BufferLayer(CacheLayerMixin):
-    """One layer's cache. `selection_heads` is 1 (one kept set per layer) or the KV head count."""
+    """One layer's cache. `selection_heads` is 1 (one kept set per layer) or the KV head count.
+
+    Each row's slot count is kept twice: on the host (`length`, the longest row's, and `row_lengths` while rows
+    differ), which decides growth and compressions without reading the device, and on the device (`slot_counts`),
+    which is where the static decode step writes (`begin_static`)."""
 
     is_compileable = False
     is_croppable = False
@@ -50,9 +55,8 @@ class BufferLayer(CacheLayerMixin):
         self.page_size = page_size  # the capacity stays a multiple of it
         self.dtype, self.device = dtype, device
         self.length = 0  # the longest row's slots
-        # Per-row slot counts `[N]` while rows differ (host copy and device copy), else None.
-        self.row_lengths: np.ndarray | None = None
-        self._row_lengths_device: torch.Tensor | None = None
+        self.row_lengths: np.ndarray | None = None  # per-row slot counts `[N]` while rows differ, else None
+        self.slot_counts = torch.zeros(batch, dtype=torch.long, device=device)  # every row's, on the device
         self.keys = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)
         self.columns = torch.empty(batch, selection_heads, 0, dtype=torch.long, device=device)
@@ -62,40 +66,29 @@ class BufferLayer(CacheLayerMixin):
         # Filled by the engine before each forward: the columns and realness of the incoming tokens.
         self.incoming_columns: torch.Tensor | None = None
         self.incoming_real: torch.Tensor | None = None
+        # Set while the static decode step runs (`engine/step.py`): the slots `[N, Q]` the rows write their incoming
+        # tokens to; the step then reads whole buffers, and the decode loop counts the slots on the host (`advance`).
+        self.static_slots: torch.Tensor | None = None
 
     # --- transformers' cache-layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        incoming = key_states.shape[2]
+        if self.static_slots is not None:
+            return self._write_static(key_states, value_states)
         if self.row_lengths is not None:
-            return self._update_rows(key_states, value_states)
-        self._reserve(self.length + incoming)
+            raise RuntimeError("rows of different lengths are written by the static decode step only; this is a bug")
+        incoming = key_states.shape[2]
+        self.reserve(self.length + incoming)
         end = self.length + incoming
         self.keys[:, :, self.length:end] = key_states
         self.values[:, :, self.length:end] = value_states
         self.columns[:, :, self.length:end] = self.incoming_columns[:, None, :]
         self.real[:, :, self.length:end] = self.incoming_real[:, None, :]
         self.length = end
+        self.slot_counts += incoming
         return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def _update_rows(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """`update` when rows hold different numbers of slots: each row's tokens go after its own."""
-        incoming = key_states.shape[2]
-        self._reserve(self.length + incoming)
-        slots = self._row_lengths_device[:, None] + torch.arange(incoming, device=self.device)  # [N, Q]
-        rows = torch.arange(self.batch, device=self.device)[:, None]
-        # Advanced indices around a slice put their dimensions first: [N, Q, Hkv, D].
-        self.keys[rows, :, slots] = key_states.transpose(1, 2)
-        self.values[rows, :, slots] = value_states.transpose(1, 2)
-        heads = self.selection_heads
-        self.columns[rows, :, slots] = self.incoming_columns[:, :, None].expand(-1, -1, heads)
-        self.real[rows, :, slots] = self.incoming_real[:, :, None].expand(-1, -1, heads)
-        self.row_lengths += incoming
-        self._row_lengths_device += incoming
-        self.length += incoming
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -106,6 +99,43 @@ class BufferLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_capacity
 
+    # --- the static decode step -----------------------------------------------------------------
+    def _write_static(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`update` inside the static decode step: each row's tokens `[N, Hkv, Q, D]` go to its slots, written in place
+        with tensor indices only (no host value read, no shape that changes from step to step); returns the whole
+        buffers, whose slots past a row's tokens are unreal and masked (`static_visible`)."""
+        slots, heads = self.static_slots, self.selection_heads
+        index = slots[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        self.columns.scatter_(2, slots[:, None, :].expand(-1, heads, -1),
+                              self.incoming_columns[:, None, :].expand(-1, heads, -1))
+        self.real.scatter_(2, slots[:, None, :].expand(-1, heads, -1),
+                           self.incoming_real[:, None, :].expand(-1, heads, -1))
+        return self.keys, self.values
+
+    def static_visible(self) -> torch.Tensor:
+        """Bool `[N, Hs, Q, C]` over the whole buffers for the static step's queries (their columns are
+        `incoming_columns`, their slots `static_slots`): real slots not after the query (within the window), and
+        its own slot, so that a padding query's softmax stays finite."""
+        slots, capacity = self.static_slots, self.capacity
+        own = torch.arange(capacity, device=slots.device) == slots[:, :, None]  # [N, Q, C]
+        if slots.shape[1] == 1 and self.sliding_window is None:
+            # One decode token: every cached real slot precedes it.
+            return self.real[:, :, None, :] | own[:, None]
+        q = self.incoming_columns[:, None, :, None]
+        k = self.columns[:, :, None, :]
+        seen = self.real[:, :, None, :] & (k <= q)
+        if self.sliding_window is not None:
+            seen &= k > q - self.sliding_window
+        return seen | own[:, None]
+
+    def advance(self, tokens: int = 1) -> None:
+        """Count on the host the `tokens` slots the static step wrote in every row (it counted on the device)."""
+        self.length += tokens
+        if self.row_lengths is not None:
+            self.row_lengths += tokens
+
     # --- ours ---------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
@@ -114,7 +144,8 @@ class BufferLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Grow the buffers to hold `needed` slots per row, `growth` slots at a time (whole pages)."""
         if needed <= self.capacity:
             return
         if needed > self.max_capacity:
@@ -129,20 +160,11 @@ class BufferLayer(CacheLayerMixin):
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
     def visible(self, query_columns: torch.Tensor) -> torch.Tensor:
-        """Bool `[N, Hs, Q, K]`: slot k is visible to a query if real and not after it (or itself)."""
-        columns, real = self.columns[:, :, : self.length], self.real[:, :, : self.length]
-        if query_columns.shape[1] == 1 and self.sliding_window is None:
-            # Decoding: every cached slot precedes the query, which sits in its row's last slot.
-            seen = real.clone()
-            if self.row_lengths is None:
-                seen[:, :, -1] = True
-            else:
-                last = (self._row_lengths_device - 1)[:, None, None].expand(-1, seen.shape[1], 1)
-                seen.scatter_(2, last, True)
-            return seen[:, :, None, :]
+        """Bool `[N, Hs, Q, K]` over the held slots for queries at `query_columns [N, Q]` (a prefill): slot k is
+        visible if real and not after the query (within the window), or the query's own."""
         q = query_columns[:, None, :, None]
-        k = columns[:, :, None, :]
-        seen = real[:, :, None, :] & (k <= q)
+        k = self.columns[:, :, None, : self.length]
+        seen = self.real[:, :, None, : self.length] & (k <= q)
         if self.sliding_window is not None:
             seen &= k > q - self.sliding_window
         return seen | (k == q)
@@ -160,14 +182,14 @@ class BufferLayer(CacheLayerMixin):
         self.values[block, :, :kept] = self.values.view(-1, self.head_dim).index_select(0, rows).view(shape)
         self.columns[block, :, :kept] = self.columns[block, :, :length].gather(2, slot_index)
         self.real[block, :, :kept] = self.real[block, :, :length].gather(2, slot_index)
+        self.real[block, :, kept:] = False  # slots past a row's length stay unreal: the static step reads them
+        self.slot_counts[block] = kept
         if count == self.batch:
-            self._set_lengths(None, None, kept)
+            self._set_lengths(None, kept)
         else:
-            self.real[block, :, kept:] = False  # slots past a row's length stay unreal
-            lengths, device_lengths = self._lengths()
+            lengths = self._lengths()
             lengths[block] = kept
-            device_lengths[block] = kept
-            self._set_lengths(lengths, device_lengths)
+            self._set_lengths(lengths)
 
     def row_length(self, row: int) -> int:
         """Slots that row `row` holds."""
@@ -179,39 +201,34 @@ class BufferLayer(CacheLayerMixin):
         host, needed while rows hold different lengths."""
         self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         self.columns, self.real = self.columns.index_select(0, rows), self.real.index_select(0, rows)
+        self.slot_counts = self.slot_counts.index_select(0, rows)
         self.batch = len(rows)
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
         if self.row_lengths is not None:
-            self._set_lengths(self.row_lengths[host_rows], self._row_lengths_device.index_select(0, rows))
+            self._set_lengths(self.row_lengths[host_rows])
 
     def append_rows(self, other: BufferLayer) -> None:
         """Add the rows of `other` (a cache of newly prefilled rows, one length for all) after this one's."""
-        (mine, mine_device), (theirs, theirs_device) = self._lengths(), other._lengths()
-        lengths, device_lengths = np.concatenate([mine, theirs]), torch.cat([mine_device, theirs_device])
-        self.real[:, :, self.length:] = False  # a compression leaves moved-from slots past the length
+        lengths = np.concatenate([self._lengths(), other._lengths()])
         capacity = max(self.capacity, other.capacity)
         self.keys, self.values, self.columns, self.real = (
             torch.cat([_grow(mine, capacity - mine.shape[2], 2), _grow(theirs, capacity - theirs.shape[2], 2)])
             for mine, theirs in ((self.keys, other.keys), (self.values, other.values),
                                  (self.columns, other.columns), (self.real, other.real)))
+        self.slot_counts = torch.cat([self.slot_counts, other.slot_counts])
         self.batch += other.batch
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
-        self._set_lengths(lengths, device_lengths)
+        self._set_lengths(lengths)
 
-    def _lengths(self) -> tuple[np.ndarray, torch.Tensor]:
-        """Per-row lengths `[N]`, on the host and on the device (copies, made on the device without an
-        upload: a host-to-device copy would wait for the GPU's queue)."""
-        if self.row_lengths is not None:
-            return self.row_lengths.copy(), self._row_lengths_device.clone()
-        return (np.full(self.batch, self.length),
-                torch.full((self.batch,), self.length, dtype=torch.long, device=self.device))
+    def _lengths(self) -> np.ndarray:
+        """Per-row slot counts `[N]` on the host (a copy)."""
+        return self.row_lengths.copy() if self.row_lengths is not None else np.full(self.batch, self.length)
 
-    def _set_lengths(self, lengths: np.ndarray | None, device_lengths: torch.Tensor | None, uniform: int = 0) -> None:
-        """Per-row lengths (host and device copies of the same values), or one length for all (`uniform`)
-        when they agree: the plain code then runs."""
+    def _set_lengths(self, lengths: np.ndarray | None, uniform: int = 0) -> None:
+        """Per-row slot counts on the host, or one count for all (`uniform`) when they agree."""
         if lengths is not None and (lengths == lengths[:1]).all():
-            lengths, device_lengths, uniform = None, None, int(lengths[0]) if len(lengths) else 0
-        self.row_lengths, self._row_lengths_device = lengths, device_lengths
+            lengths, uniform = None, int(lengths[0]) if len(lengths) else 0
+        self.row_lengths = lengths
         self.length = uniform if lengths is None else int(lengths.max())
 
     def gather_pages(self, pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +272,43 @@ class BufferCache(Cache):
         """Columns `[N, Q]` and realness `[N, Q]` of the tokens the next forward will append."""
         for layer in self.layers:
             layer.incoming_columns, layer.incoming_real = columns, real
+
+    def begin_static(self, columns: torch.Tensor, real: torch.Tensor) -> None:
+        """The next forward is the static step's: its tokens (columns and realness `[N, Q]`) go to each row's next
+        slots in every layer (a layer's rows may hold different counts: `slot_counts`)."""
+        queries = columns.shape[1]
+        for layer in self.layers:
+            slots = layer.slot_counts[:, None]
+            layer.static_slots = slots if queries == 1 else slots + torch.arange(queries, device=slots.device)
+            layer.incoming_columns, layer.incoming_real = columns, real
+
+    def end_static(self) -> None:
+        """The static step wrote its tokens: count them on the device, where the next step reads them."""
+        for layer in self.layers:
+            layer.slot_counts.add_(layer.static_slots.shape[1])
+            layer.static_slots = None
+
+    def reserve(self, slots: int) -> bool:
+        """Make room for `slots` more in every row's buffers (growing them if needed); whether any buffer moved."""
+        moved = False
+        for layer in self.layers:
+            capacity = layer.capacity
+            layer.reserve(layer.length + slots)
+            moved |= layer.capacity != capacity
+        return moved
+
+    def advance(self, tokens: int = 1) -> None:
+        for layer in self.layers:
+            layer.advance(tokens)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The buffers the static step reads and writes (a captured step holds their addresses); writing the same
+        step twice writes the same values to them."""
+        return [t for layer in self.layers for t in (layer.keys, layer.values, layer.columns, layer.real)]
+
+    def static_counters(self) -> list[torch.Tensor]:
+        """The counts the static step advances (each layer's `slot_counts`)."""
+        return [layer.slot_counts for layer in self.layers]
 
     def peak_bytes(self) -> dict[str, int]:
         totals = {"full_attention": 0, "sliding_attention": 0}

@@ -50,7 +50,7 @@ def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, tem
     prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                              kv_memory_bytes=limits.kv_memory_bytes, max_rows=limits.max_rows)
+                              **limits.sampling_fields())
     rows = rows_in_flight(engine, sampling, max(len(p) for p in prompts), len(prompts))
     total = math.ceil(len(prompts) / rows) * max_new_tokens
     with tqdm(total=total, desc=progress, unit="tok", leave=False, disable=progress is None) as bar:

@@ -40,7 +40,7 @@ from .layout import CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE
 # they are not in this set).
 RUN_FREE_FIELDS = frozenset({"steps", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
                              "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus",
-                             "rollout_backend", "rollout_kv_memory", "max_concurrent_rows"})
+                             "rollout_backend", "rollout_kv_memory", "max_concurrent_rows", "compile_decode"})
 Resume = Literal["never", "must", "auto"]
 # The lock files this process holds. An flock belongs to the open file, which a fork shares: a child
 # that kept its copy would keep the lock for as long as it lives.

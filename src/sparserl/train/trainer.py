@@ -320,7 +320,7 @@ class GRPOTrainer:
                                   eos_token_id=None if cfg.rollout.ignore_eos else self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id,
                                   prompt_width=max(len(p) for p in prompts),
-                                  kv_memory_bytes=self.row_limits.kv_memory_bytes, max_rows=self.row_limits.max_rows)
+                                  **self.row_limits.sampling_fields())
         self.rollouts.sync_weights(self.model, self.state.step)
         rollouts = self.rollouts.generate(plan_shards(prompts, group, self.shards, seed), sampling,
                                           self.step_sampler())

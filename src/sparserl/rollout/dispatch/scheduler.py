@@ -38,20 +38,31 @@ INFERENCE_ROWS = 256
 
 @dataclass(frozen=True)
 class RowLimits:
-    """The user's limits on rows in flight: a KV memory budget in bytes (None: none) and a row count (0: none)."""
+    """The user's settings of how rows decode: a KV memory budget in bytes for the rows in flight (None: none), a row
+    count (0: none), and how the static decode step runs (`engine.step.StepRunner`: auto, true or false)."""
 
     kv_memory_bytes: int | None = None
     max_rows: int = 0
+    compile_decode: str = "auto"
 
     @classmethod
     def from_rollout_config(cls, rollout, device: torch.device) -> RowLimits:
-        """`--rollout-kv-memory` (a size, or auto: a share of what is free on `device`) and `--max-concurrent-rows`."""
-        return cls(resolve_kv_memory(rollout.rollout_kv_memory, device), rollout.max_concurrent_rows)
+        """`--rollout-kv-memory` (a size, or auto: a share of what is free on `device`), `--max-concurrent-rows` and
+        `--compile-decode`."""
+        return cls(resolve_kv_memory(rollout.rollout_kv_memory, device), rollout.max_concurrent_rows,
+                   rollout.compile_decode)
 
     def for_inference(self) -> RowLimits:
         """These limits, or INFERENCE_ROWS rows at a time when none is set (an evaluation's prompts would
         otherwise all decode at once)."""
-        return self if self.kv_memory_bytes is not None or self.max_rows else RowLimits(max_rows=INFERENCE_ROWS)
+        if self.kv_memory_bytes is not None or self.max_rows:
+            return self
+        return dataclasses.replace(self, max_rows=INFERENCE_ROWS)
+
+    def sampling_fields(self) -> dict:
+        """These settings as `SamplingConfig` takes them."""
+        return {"kv_memory_bytes": self.kv_memory_bytes, "max_rows": self.max_rows,
+                "compile_decode": self.compile_decode}
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -20,6 +20,7 @@ from ..cache import build_cache
 from ..sparsity.block_sparse import BlockSparsity
 from ..sparsity.eviction import KVCompression
 from .decode_loop import DecodeLoop
+from .step import StepRunner
 
 FULL_DISTRIBUTION_VOCAB = 4096
 
@@ -35,10 +36,16 @@ class RolloutEngine:
 
     def __init__(self, model, compression: KVCompression | BlockSparsity | None = None,
                  record_evictions: bool = True, record_distributions: bool = False,
-                 release_finished_rows: bool = True):
+                 release_finished_rows: bool = True, check_every: int = 4):
         """`release_finished_rows=False` keeps every row in the batch until the longest ends (a static
-        batch, the engine's shape before rows could leave; `bench/scheduler.py` compares the two)."""
+        batch, the engine's shape before rows could leave; `bench/scheduler.py` compares the two).
+        `check_every`: decode steps between the loop's reads of which rows ended (each read waits for the device).
+        How the static decode step runs is the sampling's `compile_decode` (`step.StepRunner`)."""
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
         self.model = model
+        self.runners: dict[str, StepRunner] = {}  # by mode: a runner keeps its captures and compilation
+        self.check_every = check_every
         self.num_layers = len(decoder_layers(model))
         self.release_finished_rows = release_finished_rows
         self.compression = compression
@@ -46,6 +53,11 @@ class RolloutEngine:
         self.record_distributions = record_distributions
         large_vocabulary = model.get_output_embeddings().weight.shape[0] > FULL_DISTRIBUTION_VOCAB
         self.record_evictions = record_evictions or (record_distributions and large_vocabulary)
+
+    def step_runner(self, compile_decode: str) -> StepRunner:
+        """The runner of the static decode step for `compile_decode` on the model's device."""
+        runner = StepRunner.for_device(compile_decode, next(self.model.parameters()).device)
+        return self.runners.setdefault(runner.mode, runner)
 
     def take_stats(self) -> None:
         """Nothing is counted beyond each batch's own `kv` figures."""
@@ -83,21 +95,22 @@ class RolloutEngine:
         peaks = loop.cache.peak_bytes() if loop.cache is not None else {}  # None: no token asked for
         stats.kv_peak_bytes_by_layer_type = peaks
         stats.kv_peak_bytes = sum(peaks.values())
-        span = int(loop.lengths.max())
+        out = loop.out
+        span = int(out.lengths.max())
         if loop.cache is not None:  # a dense cache of the rows first in flight, prompt width + longest response
             stats.kv_dense_bytes = loop.cache.slot_bytes() * loop.max_rows * (prompt_ids.shape[1] + span)
-        stats.kept_tokens, stats.evicted_tokens = loop.held, loop.fed_tokens.float() - loop.held
+        stats.kept_tokens, stats.evicted_tokens = loop.held, out.fed.float() - loop.held
         if loop.selector is not None:
             stats.attended_frac = loop.selector.attended_frac
-        response_mask = (torch.arange(span, device=device)[None, :] < loop.lengths[:, None]).float()
+        response_mask = (torch.arange(span, device=device)[None, :] < out.lengths[:, None]).float()
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-            response_ids=loop.response_ids[:, :span], response_mask=response_mask,
-            sampler_logprobs=loop.logprobs[:, :span], prompt_lengths=loop.prompt_lengths,
-            response_lengths=loop.lengths, ended=loop.ended,
+            response_ids=out.ids[:, :span], response_mask=response_mask,
+            sampler_logprobs=out.logprobs[:, :span], prompt_lengths=loop.prompt_lengths,
+            response_lengths=out.lengths, ended=out.ended,
             rollout_seconds=now(device) - started, kv=stats,
             evictions=loop.evictions(), block_selections=loop.selector.record if loop.selector is not None else None,
-            sampler_distribution=loop.distributions[:, :span] if loop.distributions is not None else None,
+            sampler_distribution=out.distributions[:, :span] if out.distributions is not None else None,
             replayable=self.compression is None or self.record_evictions,
         )
 

@@ -10,7 +10,9 @@ others. Prefill, the first `dense_layers` layers and sliding-window layers stay 
 
 `BlockSelector` is one rollout's state: page centroids kept up to date as tokens arrive (scoring then
 reads one centroid per page, not every key), the pages' keys and values gathered for the query, the
-attended fraction, and the record (`BlockSelections`) the replay turns into masks.
+attended fraction, and the record (`BlockSelections`) the replay turns into masks. Inside the engine's static
+decode step (`engine/step.py`) it reads every page of the buffers (empty ones score -inf) and folds in the one slot
+the step wrote, with tensor indices only; the speculative sampler's draft calls it between its own dynamic steps.
 """
 
 from __future__ import annotations
@@ -66,6 +68,18 @@ class PageCentroids:
         self.means = torch.zeros_like(self.sums)
         self.length = 0  # slots folded in so far
 
+    def fold(self, keys: torch.Tensor, real: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fold in one slot per row, the static step's: keys `[N, Hkv, 1, D]`, real `[N, 1]` bool, at `slots [N]`."""
+        pages = slots // self.page_size
+        index = pages[:, None, None, None].expand(-1, keys.shape[1], 1, keys.shape[3])
+        self.sums.scatter_add_(2, index, keys.float() * real[:, None, :, None])
+        self.counts.scatter_add_(1, pages[:, None], real.float())
+        counts = self.counts.gather(1, pages[:, None]).clamp(min=1.0)[:, None, :, None]
+        self.means.scatter_(2, index, self.sums.gather(2, index) / counts)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.sums, self.counts, self.means = (t.index_select(0, rows) for t in (self.sums, self.counts, self.means))
+
     def extend(self, keys: torch.Tensor, real: torch.Tensor) -> None:
         """Fold in the next slots: keys `[N, Hkv, n, D]`, real `[N, n]` bool."""
         end = self.length + keys.shape[2]
@@ -95,16 +109,14 @@ def page_scores(query: torch.Tensor, centroids: torch.Tensor, counts: torch.Tens
     return scores.masked_fill(counts == 0, float("-inf"))
 
 
-def select_pages(scores: torch.Tensor, sink: torch.Tensor, keep: int) -> torch.Tensor:
+def select_pages(scores: torch.Tensor, forced: torch.Tensor, keep: int) -> torch.Tensor:
     """The `keep` attended pages `[N, keep]` (ascending) of each row, from scores `[N, pages]`.
 
-    The sink page `sink [N]` and the last 2 pages always; then the best scores, ties going to the
-    earlier page (a stable sort), so that the selection is deterministic.
+    The pages `forced [N, k]` always (the sink and the 2 most recent); then the best scores, ties going to
+    the earlier page (a stable sort), so that the selection is deterministic.
     """
-    forced = scores.clone()
-    forced[:, -2:] = float("inf")
-    forced.scatter_(1, sink[:, None], float("inf"))
-    order = forced.sort(dim=1, descending=True, stable=True).indices[:, :keep]
+    ranked = scores.scatter(1, forced, float("inf"))
+    order = ranked.sort(dim=1, descending=True, stable=True).indices[:, :keep]
     return order.sort(dim=1).values
 
 
@@ -150,7 +162,9 @@ class BlockSelector:
         self.keep: int | None = None  # pages attended this step; None: every page (a dense step)
         self.step = 0
         self.fraction_sum = torch.zeros((), device=some.device)
-        self.fractions = 0
+        self.fractions = torch.zeros((), device=some.device)  # sparse-layer decode steps counted (a tensor: the
+        # static step counts them where it cannot count on the host)
+        self.static_step = torch.zeros((), dtype=torch.long, device=some.device)  # the static step's index
 
     def begin_step(self, step: int, cached_len: int, length: int) -> None:
         """Decode step `step` will feed a token at cache length `length` (after it); the budget reads `cached_len`."""
@@ -161,7 +175,32 @@ class BlockSelector:
     @property
     def attended_frac(self) -> float:
         """Mean over decode steps and sparse layers of attended real keys / cached real keys."""
-        return float(self.fraction_sum) / self.fractions if self.fractions else 1.0
+        counted = float(self.fractions)
+        return float(self.fraction_sum) / counted if counted else 1.0
+
+    def fold_prompt(self) -> None:
+        """Fold the prefilled slots into the centroids, before the static steps fold one slot each."""
+        for layer_idx, centroids in self.centroids.items():
+            layer = self.cache.layers[layer_idx]
+            centroids.extend(layer.keys[:, :, :layer.length], layer.real[:, 0, :layer.length])
+
+    def static_key(self) -> tuple:
+        """What shapes the static step besides its tensors: the pages a step attends (None: a dense step)."""
+        return (self.keep,)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        record = list(self.record.pages.values()) if self.record is not None else []
+        return [self.fraction_sum, self.fractions, self.static_step, *record,
+                *(t for c in self.centroids.values() for t in (c.sums, c.counts, c.means))]
+
+    def end_static_step(self) -> None:
+        self.static_step.add_(1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the centroids of the batch rows `rows`. The record stays whole: it is per request, and block-sparse
+        rows leave only all together, at the end (`decode_loop.py`)."""
+        for centroids in self.centroids.values():
+            centroids.select_rows(rows)
 
     def select(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
         """The decode query's pages: gathered keys, values `[N, Hkv, keep·page, D]` and the dense mask
@@ -170,6 +209,8 @@ class BlockSelector:
         if centroids is None:
             return None
         layer = self.cache.layers[layer_idx]
+        if layer.static_slots is not None:
+            return self._select_static(layer_idx, layer, centroids, query, mask)
         length = layer.length
         centroids.extend(layer.keys[:, :, centroids.length:length], layer.real[:, 0, centroids.length:length])
         self.fractions += 1
@@ -180,7 +221,9 @@ class BlockSelector:
         pages_now = -(-length // page)
         counts = centroids.counts[:, :pages_now]
         sink = (counts > 0).float().argmax(dim=1)  # the first page with a real token
-        pages = select_pages(page_scores(query, centroids.means[:, :, :pages_now], counts), sink, self.keep)
+        recent = torch.tensor([max(pages_now - 2, 0), pages_now - 1], device=sink.device).expand(len(sink), 2)
+        pages = select_pages(page_scores(query, centroids.means[:, :, :pages_now], counts),
+                             torch.cat([sink[:, None], recent], dim=1), self.keep)
         chosen = torch.zeros_like(counts, dtype=torch.bool).scatter_(1, pages, True)
         self.fraction_sum += ((counts * chosen).sum(dim=1) / counts.sum(dim=1).clamp(min=1.0)).mean()
         if self.record is not None:
@@ -190,3 +233,32 @@ class BlockSelector:
         index = slots.clamp(max=length - 1)[:, None, None, :].expand(-1, mask.shape[1], -1, -1)
         # The current page runs past the cache length: those slots hold no token yet.
         return keys, values, mask.gather(3, index) & (slots < length)[:, None, None, :]
+
+    def _select_static(self, layer_idx: int, layer, centroids: PageCentroids, query: torch.Tensor,
+                       mask: torch.Tensor):
+        """`select` inside the static step: every page of the buffers is scored (a page without a real key scores
+        -inf), the 2 most recent are those of the row's slot, and the mask `[N, Hs, 1, C]` is gathered to the pages."""
+        slot = layer.static_slots[:, 0]  # where the step wrote each row's token
+        written = slot[:, None, None, None].expand(-1, layer.kv_heads, 1, layer.head_dim)
+        centroids.fold(layer.keys.gather(2, written), layer.real[:, 0].gather(1, slot[:, None]), slot)
+        self.fractions += 1
+        if self.keep is None:
+            self.fraction_sum += 1.0
+            return None
+        page = self.sparsity.page_size
+        pages_held = layer.capacity // page
+        counts = centroids.counts[:, :pages_held]
+        current = slot // page
+        forced = torch.stack([(counts > 0).float().argmax(dim=1), (current - 1).clamp(min=0), current], dim=1)
+        pages = select_pages(page_scores(query, centroids.means[:, :, :pages_held], counts), forced, self.keep)
+        chosen = torch.zeros_like(counts, dtype=torch.bool).scatter_(1, pages, True)
+        self.fraction_sum += ((counts * chosen).sum(dim=1) / counts.sum(dim=1).clamp(min=1.0)).mean()
+        if self.record is not None:
+            rows = torch.arange(len(slot), device=slot.device)
+            record = self.record.pages[layer_idx]
+            record[rows, self.static_step.expand(len(slot)), :pages_held] = chosen
+        keys, values = layer.gather_pages(pages, page)
+        slots = (pages[:, :, None] * page + torch.arange(page, device=pages.device)).flatten(1)  # [N, keep·page]
+        index = slots.clamp(max=layer.capacity - 1)[:, None, None, :].expand(-1, mask.shape[1], -1, -1)
+        # The current page runs past the row's token: those slots hold none yet.
+        return keys, values, mask.gather(3, index) & (slots <= slot[:, None])[:, None, None, :]

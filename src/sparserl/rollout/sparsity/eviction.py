@@ -3,11 +3,15 @@
 Once a row's cache holds more than the budget B, every Δ decode steps each full-attention layer keeps the w most
 recent real tokens plus the B - w best-scored others (`policies.select_slots` on the layer's KV policy's scores)
 and moves them to the front of its buffers (`BufferLayer.keep`); the slots past B are free again. Sliding-window
-layers are never compressed. The engine's decode loop decides when (`engine/decode_loop.py`); this decides what.
+layers are never compressed. The layers that hold the same number of slots and keep the same budget (all of them,
+but under PyramidKV's per-layer budgets) are scored and selected as one batch, their rows stacked: one pass of the
+policy's operations for all of them, not one per layer. The engine's decode loop decides when
+(`engine/decode_loop.py`); this decides what.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -61,24 +65,34 @@ def compress_rows(policy: KVPolicy, window: int, cache: BufferCache, attention, 
     """Compress batch rows `first`... `first + count` (a cohort: one length, one policy state) in every layer
     past its budget (`budgets[layer]`). `attention` is the decode loop's mask provider: the window queries and
     attention mass the policy scores with, told what was kept (`after_keep`). Returns (layer, the columns each row
-    kept `[count, Hs, B]`, or None when not `record`) for each layer compressed."""
+    kept `[count, Hs, B]`, or None when not `record`) for each layer compressed, in layer order."""
     block = slice(first, first + count)
-    compressed = []
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (slots held, budget) -> layers
     for layer_idx, layer in enumerate(cache.layers):
         budget, length = budgets[layer_idx], layer.row_length(first)
-        if layer.is_sliding or length <= budget:
-            continue
-        mass = attention.mass.get(layer_idx)
+        if not layer.is_sliding and length > budget:
+            groups[(length, budget)].append(layer_idx)
+    compressed = []
+    for (length, budget), layers in groups.items():
+        def stacked(part) -> torch.Tensor:
+            return torch.cat([part(layer_idx) for layer_idx in layers]) if len(layers) > 1 else part(layers[0])
+
+        masses = attention.mass
         inputs = ScoringInputs(
-            keys=layer.keys[block, :, :length], queries=attention.queries[layer_idx][block],
-            query_real=attention.window_real[block], real=layer.real[block, :, :length],
-            columns=layer.columns[block, :, :length],
-            attention_mass=mass[block, :, :length] if mass is not None else None,
-            layer_idx=layer_idx, num_layers=len(cache.layers),
+            keys=stacked(lambda i: cache.layers[i].keys[block, :, :length]),
+            queries=stacked(lambda i: attention.queries[i][block]),
+            query_real=attention.window_real[block].repeat(len(layers), 1),
+            real=stacked(lambda i: cache.layers[i].real[block, :, :length]),
+            columns=stacked(lambda i: cache.layers[i].columns[block, :, :length]),
+            attention_mass=stacked(lambda i: masses[i][block, :, :length]) if masses else None,
+            layers=tuple(layers),
         )
         slots = select_slots(policy.score(inputs), inputs.real, inputs.columns, budget, window)
         policy.before_keep(inputs, slots)
-        layer.keep(slots, first)
-        attention.after_keep(layer_idx, slots, first, layer.length)
-        compressed.append((layer_idx, layer.columns[block, :, :budget].clone() if record else None))
-    return compressed
+        for index, layer_idx in enumerate(layers):
+            layer_slots = slots[index * count:(index + 1) * count]
+            cache.layers[layer_idx].keep(layer_slots, first)
+            attention.after_keep(layer_idx, layer_slots, first)
+            kept = cache.layers[layer_idx].columns[block, :, :budget].clone() if record else None
+            compressed.append((layer_idx, kept))
+    return sorted(compressed, key=lambda part: part[0])

@@ -75,7 +75,9 @@ def policy_options() -> dict[str, PolicyOption]:
 
 @dataclass
 class ScoringInputs:
-    """What a policy may look at for one layer. Hs is 1 (shared kept set) or Hkv (per head)."""
+    """What a policy may look at for the layers `layers`, scored as one batch: the N rows are each layer's rows in
+    turn (the compression stacks the layers that hold the same number of slots and the same budget). Hs is 1
+    (shared kept set) or Hkv (per head)."""
 
     keys: torch.Tensor  # [N, Hkv, L, D] cached keys, post-RoPE
     queries: torch.Tensor  # [N, Hq, w, D] post-RoPE queries of the last w fed tokens (observation window)
@@ -83,8 +85,7 @@ class ScoringInputs:
     real: torch.Tensor  # [N, Hs, L] bool, False for padding slots
     columns: torch.Tensor  # [N, Hs, L] long, the slot's column (larger is more recent); increasing along L
     attention_mass: torch.Tensor | None  # [N, Hkv, L] attention received so far (H2O), else None
-    layer_idx: int
-    num_layers: int
+    layers: tuple[int, ...]  # the layers stacked along N, each with N / len(layers) rows
 
     def per_kv_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`real` and `columns` broadcast to `[N, Hkv, L]`, so scoring code need not care about Hs."""
@@ -153,7 +154,8 @@ class KVPolicy:
         """Called with the inputs just scored and the slots `[N, Hs, B]` about to be kept."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the per-row state of batch rows `rows` (the others finished)."""
+        """Keep only the per-row state of batch rows `rows` (the others finished; state kept for stacked layers,
+        `ScoringInputs.layers`, keeps these rows of each layer)."""
 
 
 def select_slots(scores: torch.Tensor, real: torch.Tensor, columns: torch.Tensor, budget: int,

@@ -33,7 +33,8 @@ class RKV(KVPolicy):
     of the row sim[i, j] over the other real slots j, turned into a distribution by a softmax
     over the real slots (as the reference does).
 
-    The row sums are kept between compressions of a rollout: each compression adds the rows and
+    The row sums are kept between compressions of a rollout (per stack of layers scored together,
+    `ScoringInputs.layers`): each compression adds the rows and
     columns of the slots appended since the last one and removes those of the evicted slots,
     O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix. A row sum is split
     as sum_j sim[i, j] - sum_{j older, sim > threshold} sim[i, j]: the first term is linear in the
@@ -60,12 +61,18 @@ class RKV(KVPolicy):
         self.begin_rollout()
 
     def begin_rollout(self) -> None:
-        self._row_sums: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, L] for the slots scored last
+        # layers scored together -> [len(layers)·N, Hkv, L] for the slots scored last
+        self._row_sums: dict[tuple[int, ...], torch.Tensor] = {}
         self._unit: torch.Tensor | None = None  # the unit keys `score` made, for `before_keep`
         self._buffer = torch.empty(0)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self._row_sums = {layer: sums.index_select(0, rows) for layer, sums in self._row_sums.items()}
+        """Keep rows `rows` of each layer in a stack (a stack of k layers holds k·N rows, layer by layer)."""
+        def each_layer(layers: tuple[int, ...], sums: torch.Tensor) -> torch.Tensor:
+            per_layer = sums.shape[0] // len(layers)
+            offsets = torch.arange(0, sums.shape[0], per_layer, device=rows.device)
+            return sums.index_select(0, (offsets[:, None] + rows[None, :]).reshape(-1))
+        self._row_sums = {layers: each_layer(layers, sums) for layers, sums in self._row_sums.items()}
 
     def score(self, inputs: ScoringInputs) -> torch.Tensor:
         real, _ = inputs.per_kv_head()
@@ -75,7 +82,7 @@ class RKV(KVPolicy):
             attention.masked_fill_(~real, 0.0)
         importance = attention.div_(attention.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
         self._unit = _unit_keys(inputs.keys, real, all_real)
-        sums = self._update_row_sums(inputs.layer_idx, self._unit)
+        sums = self._update_row_sums(inputs.layers, self._unit)
         return importance.mul_(self.lam).sub_(self._distribution(sums, real, all_real).mul_(1.0 - self.lam))
 
     def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -85,7 +92,7 @@ class RKV(KVPolicy):
 
     def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
         """Remove the evicted slots' similarity from the kept rows, then keep those rows."""
-        sums, unit = self._row_sums[inputs.layer_idx], self._unit
+        sums, unit = self._row_sums[inputs.layers], self._unit
         n, heads, length = sums.shape
         slots = slots.expand(n, heads, -1)
         evicted_mask = torch.ones(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, False)
@@ -109,10 +116,10 @@ class RKV(KVPolicy):
             beyond = suffixes.index_select(0, first_not_older.reshape(-1)).view(sim.shape)
             torch.where(beyond, zero, sim, out=sim)
             removed -= sim.sum(dim=-1)
-        self._row_sums[inputs.layer_idx] = (sums - removed).gather(2, slots)
+        self._row_sums[inputs.layers] = (sums - removed).gather(2, slots)
 
-    def _update_row_sums(self, layer: int, unit: torch.Tensor) -> torch.Tensor:
-        previous = self._row_sums.get(layer)
+    def _update_row_sums(self, layers: tuple[int, ...], unit: torch.Tensor) -> torch.Tensor:
+        previous = self._row_sums.get(layers)
         old = 0 if previous is None else previous.shape[2]
         sums = torch.empty(unit.shape[:3], dtype=unit.dtype, device=unit.device)
         if previous is not None:
@@ -120,7 +127,7 @@ class RKV(KVPolicy):
             torch.add(previous, (unit[:, :, :old] @ unit[:, :, old:].sum(dim=2)[..., None]).squeeze(-1),
                       out=sums[:, :, :old])
         self._new_row_sums(unit, old, out=sums[:, :, old:])
-        self._row_sums[layer] = sums
+        self._row_sums[layers] = sums
         return sums
 
     def _new_row_sums(self, unit: torch.Tensor, first_row: int, out: torch.Tensor | None = None) -> torch.Tensor:

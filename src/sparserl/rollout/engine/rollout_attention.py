@@ -1,0 +1,138 @@
+"""The mask provider of a rollout: masks from the cache, and what the KV policies score with.
+
+A prefill (a cohort of new rows) reads the cache's masks for its columns (`BufferLayer.visible`); a decode step is
+the static step (`step.py`), whose masks the cache computes from its realness and columns (`static_visible`). Beside
+the masks it keeps, per full-attention layer, the window of the last w queries (SnapKV, R-KV and PyramidKV score with
+them) as a fixed `[N, Hq, w, D]` buffer shifted in place each step, and the attention mass each slot received (H2O)
+as `[N, Hkv, capacity]`, added to in place: fixed shapes, so a captured step writes them. Block-sparse attention
+narrows each decode query to its pages (`sparsity/block_sparse.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import BufferCache
+from ..sparsity.block_sparse import BlockSelector
+from ..sparsity.policies import additive_mask
+
+
+class RolloutAttention:
+    """The masks, window queries and attention mass of one rollout's cache (see the module)."""
+
+    def __init__(self, cache: BufferCache, window: int, keep_queries: bool, keep_mass: bool,
+                 selector: BlockSelector | None = None):
+        self.cache = cache
+        self.selector = selector
+        self.window = window
+        self.keep_queries = keep_queries
+        self.keep_mass = keep_mass
+        self.query_columns: torch.Tensor | None = None  # [N, Q] of a prefill
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> [N, Hq, w, D], oldest first
+        self.window_real: torch.Tensor | None = None  # [N, w], oldest first
+        self.mass: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, capacity]
+
+    # --- a prefill -----------------------------------------------------------------------------------
+    def begin_forward(self, columns: torch.Tensor, real: torch.Tensor) -> None:
+        """A prefill of `columns [N, P]` (realness `real [N, P]`): its last w queries start the window, which holds
+        unreal ones on the left while the prompt is shorter."""
+        self.query_columns = columns
+        self.cache.set_incoming(columns, real)
+        if self.keep_queries:
+            self.window_real = F.pad(real[:, -self.window:], (self.window - min(self.window, real.shape[1]), 0),
+                                     value=False)
+
+    # --- the static step -----------------------------------------------------------------------------
+    def begin_static_step(self, fed_real: torch.Tensor) -> None:
+        """The static step feeds one token per row, real where `fed_real [N]`: the window moves on by one."""
+        if self.window_real is not None:
+            self.window_real.copy_(torch.cat([self.window_real[:, 1:], fed_real[:, None]], dim=1))
+
+    def end_static_step(self) -> None:
+        if self.selector is not None:
+            self.selector.end_static_step()
+
+    def static_key(self) -> tuple:
+        """What shapes the static step besides its tensors (block attention's pages per step)."""
+        return self.selector.static_key() if self.selector is not None else ()
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """What the static step advances here: the windows, the masses, the block selector's state."""
+        window = [self.window_real] if self.window_real is not None else []
+        selector = self.selector.static_tensors() if self.selector is not None else []
+        return [*self.queries.values(), *window, *self.mass.values(), *selector]
+
+    def fit_capacity(self) -> None:
+        """Widen the attention masses to their layers' buffers (after a buffer grew or rows joined)."""
+        self.mass = {layer: self._widened(mass, layer) for layer, mass in self.mass.items()}
+
+    def _widened(self, mass: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        extra = self.cache.layers[layer_idx].capacity - mass.shape[2]
+        return F.pad(mass, (0, extra)) if extra else mass
+
+    # --- the mask provider ---------------------------------------------------------------------------
+    def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
+        layer = self.cache.layers[layer_idx]
+        return layer.static_visible() if layer.static_slots is not None else layer.visible(self.query_columns)
+
+    def select_keys(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
+        return self.selector.select(layer_idx, query, mask) if self.selector is not None else None
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> None:
+        layer = self.cache.layers[layer_idx]
+        if layer.is_sliding:
+            return
+        if self.keep_queries:
+            if layer.static_slots is not None:
+                window = self.queries[layer_idx]
+                window.copy_(torch.cat([window[:, :, 1:], query], dim=2))
+            else:
+                width = min(self.window, query.shape[2])
+                self.queries[layer_idx] = F.pad(query[:, :, -width:], (0, 0, self.window - width, 0))
+        if self.keep_mass:
+            self._accumulate_mass(layer_idx, query, key, mask)
+
+    def _accumulate_mass(self, layer_idx, query, key, mask) -> None:
+        batch, q_heads, q_len, dim = query.shape
+        kv_heads = key.shape[1]
+        group = q_heads // kv_heads
+        grouped = query.reshape(batch, kv_heads, group * q_len, dim)
+        logits = grouped @ key.transpose(-1, -2) / dim ** 0.5
+        # The mask [N, Hm, Q, K] broadcast over the group (no repeated copy of it).
+        logits.view(batch, kv_heads, group, q_len, -1).add_(additive_mask(mask)[:, :, None])
+        received = logits.softmax(dim=-1).nan_to_num_(0.0).sum(dim=2)  # [N, Hkv, K]
+        if self.cache.layers[layer_idx].static_slots is not None:
+            self.mass[layer_idx].add_(received)  # the static step reads the whole buffer: K is the capacity
+        else:
+            self.mass[layer_idx] = received
+
+    # --- rows leaving, joining, compressed -------------------------------------------------------------
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (the others finished)."""
+        self.queries = {layer: q.index_select(0, rows) for layer, q in self.queries.items()}
+        self.mass = {layer: m.index_select(0, rows) for layer, m in self.mass.items()}
+        if self.window_real is not None:
+            self.window_real = self.window_real.index_select(0, rows)
+        if self.selector is not None:
+            self.selector.select_rows(rows)
+
+    def append_rows(self, other: RolloutAttention) -> None:
+        """Add the rows of `other` (the provider of newly prefilled rows) after this one's; called after the cache
+        took them, so that the masses span the buffers' capacity."""
+        self.queries = {layer: torch.cat([q, other.queries[layer]]) for layer, q in self.queries.items()}
+        if self.window_real is not None:
+            self.window_real = torch.cat([self.window_real, other.window_real])
+        self.mass = {layer: torch.cat([self._widened(m, layer), self._widened(other.mass[layer], layer)])
+                     for layer, m in self.mass.items()}
+
+    def after_keep(self, layer_idx: int, slots: torch.Tensor, first_row: int) -> None:
+        """Rows `first_row`... kept the slots `slots [n, Hs, B]`, now at the front of their buffers."""
+        if layer_idx not in self.mass:
+            return
+        mass = self.mass[layer_idx]
+        block = slice(first_row, first_row + slots.shape[0])
+        per_head = slots if slots.shape[1] != 1 else slots.expand(-1, mass.shape[1], -1)
+        kept = slots.shape[2]
+        mass[block, :, :kept] = mass[block].gather(2, per_head)
+        mass[block, :, kept:] = 0.0
