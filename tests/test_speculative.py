@@ -15,6 +15,7 @@ from sparserl.rollout.batch import SamplingConfig
 from sparserl.rollout.engine.engine import RolloutEngine
 from sparserl.rollout.sparsity.block_sparse import BlockSparsity
 from sparserl.rollout.speculative import sampler as speculative
+from sparserl.rollout.speculative import steps as speculative_steps
 from sparserl.rollout.speculative.drafts import WindowDraft, draft_from_config
 from sparserl.rollout.speculative.sampler import SpeculativeSampler
 from sparserl.rollout.speculative.stats import AdaptiveDraftLength
@@ -206,8 +207,8 @@ def test_rows_batch_together_whatever_they_accept(model, monkeypatch):
     log-probs are still the dense model's on its own sequence (left padding and all)."""
     compactions, compact = [], speculative.compact
     monkeypatch.setattr(speculative, "compact", lambda cache: compactions.append(1) or compact(cache))
-    accepted_per_round, accept = [], speculative._accept
-    monkeypatch.setattr(speculative, "_accept",
+    accepted_per_round, accept = [], speculative_steps.accept
+    monkeypatch.setattr(speculative_steps, "accept",
                         lambda *args: (lambda out: accepted_per_round.append(out[1]) or out)(accept(*args)))
     prompts = [p[: 8 + 2 * i] for i, p in enumerate(_prompts(6))]
     sampling = SamplingConfig(max_new_tokens=37, temperature=1.0, eos_token_id=3)

@@ -39,7 +39,7 @@ from .rollout_attention import RolloutAttention
 # Slots a dense cache grows by: finely, so that its measured peak (what KV saved divides by) is at most 15 slots a row
 # past its length; coarsely where each growth is a new CUDA graph or compilation of the static step.
 DENSE_GROWTH, CAPTURED_DENSE_GROWTH = 16, 128
-from .step import Responses, RowState, draw_and_record
+from .step import Responses, RowState, draw_and_record, run_decode_step
 
 
 @dataclass
@@ -247,8 +247,8 @@ class DecodeLoop:
             self.provider.fit_capacity()
         if self.selector is not None:
             self.selector.begin_step(step, self.width + step, self.width + step + 1)
-        self.runner(self.model, self.cache, self.provider, self.rows, self.out, self.sampling, self.cache_keyword,
-                    self.generator)
+        run_decode_step(self.runner, self.model, self.cache, self.provider, self.rows, self.out, self.sampling,
+                        self.cache_keyword, self.generator)
         self.cache.advance(1)
         for cohort in self.cohorts:
             cohort.since_compression += 1

@@ -116,19 +116,19 @@ def decode_step(model, cache, provider, rows: RowState, out: Responses, sampling
 
 
 class StepRunner:
-    """Runs `decode_step` eagerly, compiled (`torch.compile(fullgraph=True, dynamic=False)`, the CPU's proof that the
-    step has no graph break) or replayed from CUDA graphs, one captured per set of buffers it reads (rows, capacity,
-    the buffers' addresses), captured on the first step that meets it and dropped when the buffers change.
+    """Runs a static step (`decode_step`, the speculative sampler's draft and verification steps): eagerly, compiled
+    (`torch.compile(fullgraph=True, dynamic=False)`, the CPU's proof that the step has no graph break) or replayed
+    from CUDA graphs, each captured on the first call that meets its key (the step, the Python values that shape it,
+    the addresses and shapes of every tensor it reads and writes) and dropped once the buffers it holds are replaced.
 
     `mode`: "eager", "compile" or "graphs"; `compile_decode` (auto | true | false) chooses: auto is graphs on CUDA,
-    eager elsewhere; true is graphs on CUDA and compile elsewhere. A rollout that draws from a shared generator (no
-    per-row seeds) runs eagerly: a generator's state advances outside any graph."""
+    eager elsewhere; true is graphs on CUDA and compile elsewhere."""
 
     def __init__(self, mode: str):
         if mode not in ("eager", "compile", "graphs"):
             raise ValueError(f"step mode {mode!r}: eager, compile or graphs")
         self.mode = mode
-        self._compiled: Callable | None = None
+        self._compiled: dict[Callable, Callable] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
     @classmethod
@@ -143,30 +143,44 @@ class StepRunner:
         """Drop the captured graphs (they hold the rollout's buffers and their memory pools)."""
         self._graphs.clear()
 
-    def __call__(self, model, cache, provider, rows: RowState, out: Responses, sampling, cache_keyword: str,
-                 generator: torch.Generator | None = None) -> None:
-        if self.mode == "eager" or rows.seeds is None:
-            decode_step(model, cache, provider, rows, out, sampling, cache_keyword, generator)
+    def run(self, step: Callable, args: tuple, buffers: list[torch.Tensor], state: list[torch.Tensor],
+            key: tuple = (), capturable: bool = True) -> None:
+        """`step(*args)`, which reads and writes `buffers` (writing the same values if run twice, as a cache's slots)
+        and advances `state` (counters, windows, outputs: restored after the warm-up a capture needs). `key`: the
+        Python values the step's work depends on. Not `capturable` (a step drawing from a shared generator, whose
+        state moves outside any graph): run eagerly."""
+        if self.mode == "eager" or not capturable:
+            step(*args)
         elif self.mode == "compile":
-            if self._compiled is None:
-                self._compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
-            self._compiled(model, cache, provider, rows, out, sampling, cache_keyword)
+            if step not in self._compiled:
+                self._compiled[step] = torch.compile(step, fullgraph=True, dynamic=False)
+            self._compiled[step](*args)
         else:
-            self._replay(model, cache, provider, rows, out, sampling, cache_keyword)
+            self._replay(step, args, buffers, state, key)
 
-    def _replay(self, model, cache, provider, rows, out, sampling, cache_keyword) -> None:
-        """One graph per set of tensors the step reads: their addresses and shapes are its key. The buffers change
-        only between steps (growth, rows leaving or joining, a new rollout), so a stale graph is dropped for good."""
-        state = [t for t in (*cache.static_counters(), *provider.static_tensors(),
-                             *(getattr(rows, f.name) for f in fields(rows)), *(getattr(out, f.name) for f in fields(out)))
-                 if t is not None]
-        key = (provider.static_key(), *((t.data_ptr(), tuple(t.shape)) for t in (*cache.static_tensors(), *state)))
-        graph = self._graphs.get(key)
+    def _replay(self, step, args, buffers, state, key) -> None:
+        held = tuple((t.data_ptr(), tuple(t.shape)) for t in (*buffers, *state) if t is not None)
+        full_key = (step, key, held)
+        graph = self._graphs.get(full_key)
         if graph is None:
-            self._graphs.clear()  # those graphs read buffers that no longer hold the rollout
-            graph = self._graphs[key] = _capture(
-                lambda: decode_step(model, cache, provider, rows, out, sampling, cache_keyword), state)
+            # A graph of this step over other buffers reads tensors that no longer hold the rollout: drop it (one of
+            # this step over these buffers with another key, a speculative round's γ, stays).
+            for stale in [k for k in self._graphs if k[0] is step and k[2] != held]:
+                del self._graphs[stale]
+            graph = self._graphs[full_key] = _capture(lambda: step(*args), [t for t in state if t is not None])
         graph.replay()
+
+
+def run_decode_step(runner: StepRunner, model, cache, provider, rows: RowState, out: Responses, sampling,
+                    cache_keyword: str, generator: torch.Generator | None = None) -> None:
+    """`decode_step` through `runner`, with the tensors it reads and advances."""
+    state = [*cache.static_counters(), *provider.static_tensors(), *(getattr(rows, f.name) for f in fields(rows)),
+             *(getattr(out, f.name) for f in fields(out))]
+    if rows.seeds is None:  # rows drawing from one generator: eagerly, outside any graph
+        decode_step(model, cache, provider, rows, out, sampling, cache_keyword, generator)
+        return
+    runner.run(decode_step, (model, cache, provider, rows, out, sampling, cache_keyword), cache.static_tensors(),
+               state, provider.static_key())
 
 
 def _capture(step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:

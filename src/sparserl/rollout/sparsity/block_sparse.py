@@ -69,12 +69,12 @@ class PageCentroids:
         self.length = 0  # slots folded in so far
 
     def fold(self, keys: torch.Tensor, real: torch.Tensor, slots: torch.Tensor) -> None:
-        """Fold in one slot per row, the static step's: keys `[N, Hkv, 1, D]`, real `[N, 1]` bool, at `slots [N]`."""
+        """Fold in the slots a static step wrote: keys `[N, Hkv, Q, D]`, real `[N, Q]` bool, at `slots [N, Q]`."""
         pages = slots // self.page_size
-        index = pages[:, None, None, None].expand(-1, keys.shape[1], 1, keys.shape[3])
+        index = pages[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
         self.sums.scatter_add_(2, index, keys.float() * real[:, None, :, None])
-        self.counts.scatter_add_(1, pages[:, None], real.float())
-        counts = self.counts.gather(1, pages[:, None]).clamp(min=1.0)[:, None, :, None]
+        self.counts.scatter_add_(1, pages, real.float())
+        counts = self.counts.gather(1, pages).clamp(min=1.0)[:, None, :, None]
         self.means.scatter_(2, index, self.sums.gather(2, index) / counts)
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -240,7 +240,7 @@ class BlockSelector:
         -inf), the 2 most recent are those of the row's slot, and the mask `[N, Hs, 1, C]` is gathered to the pages."""
         slot = layer.static_slots[:, 0]  # where the step wrote each row's token
         written = slot[:, None, None, None].expand(-1, layer.kv_heads, 1, layer.head_dim)
-        centroids.fold(layer.keys.gather(2, written), layer.real[:, 0].gather(1, slot[:, None]), slot)
+        centroids.fold(layer.keys.gather(2, written), layer.real[:, 0].gather(1, slot[:, None]), slot[:, None])
         self.fractions += 1
         if self.keep is None:
             self.fraction_sum += 1.0

@@ -1,2 +1,3 @@
-"""Lossless speculative rollouts: how a draft is verified and emitted (`sampler.py`), what the drafts read
-(`drafts.py`), and what the speculation did (`stats.py`)."""
+"""Lossless speculative rollouts: the rounds of drafting and verifying (`sampler.py`), their static steps
+(`steps.py`) and the state they advance (`rows.py`), what the drafts read (`drafts/`), and what the speculation did
+(`stats.py`)."""

@@ -31,32 +31,24 @@ together.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ...model.attention import masked_attention
 from ...model.clock import now
-from ...model.forward import logit_scale
 from ...model.shared_prompt import prompt_groups
 from ...model.structure import cache_keyword, positions_from_mask
-from ..acceptance import acceptance_rate
 from ..batch import KVStats, RolloutBatch, SamplingConfig, left_pad
 from ..cache import BufferCache, build_cache
 from ..engine.engine import RolloutEngine, decoder_layers
-from ..engine.token_draws import (
-    draw_tokens,
-    processed_logprobs,
-    row_uniforms,
-    stream_seeds,
-)
+from ..engine.step import StepRunner
+from ..engine.token_draws import draw_tokens, row_uniforms
 from ..sparsity.block_sparse import BlockSparsity
 from .drafts import WindowDraft, build_draft
+from .rows import SpeculativeRows
 from .stats import AdaptiveDraftLength, SpeculationStats
-
-# Counter streams of a row's seed besides the draws' own: the acceptance tests and the residual draws.
-_ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5DEECE66D, 0x2545F4914F6CDD1D
+from .steps import Rollout, dense_logprobs, draft_step, verify_step
 
 
 class SpeculativeSampler:
@@ -66,6 +58,8 @@ class SpeculativeSampler:
     `draft_tokens`: γ, or "adaptive" (γ ≤ `max_draft_tokens` chosen each round from the running
     acceptance rate and step costs, `AdaptiveDraftLength`). A `rollout.sampler.Sampler`: rows that end
     leave the batch and none join (`refills_rows` is False: the scheduler gives it its prompts in waves).
+    Its draft steps and its verification are static steps (`engine/step.py`): captured as CUDA graphs on a GPU (one
+    per draft setting and per γ), compiled on a CPU with `compile_decode=true`.
     """
 
     refills_rows = False
@@ -78,6 +72,7 @@ class SpeculativeSampler:
         self.max_draft_tokens = max_draft_tokens if draft_tokens == "adaptive" else int(draft_tokens)
         self.adaptive = AdaptiveDraftLength(most=max_draft_tokens) if draft_tokens == "adaptive" else None
         self.totals = SpeculationStats()  # over every generate since the last take_stats
+        self.runners: dict[str, StepRunner] = {}
 
     def take_stats(self) -> SpeculationStats:
         """What the speculation did since the last call (a step's, or a shard's on a worker), then reset."""
@@ -120,23 +115,17 @@ class SpeculativeSampler:
         cache = build_cache(model, len(first), [capacity] * len(decoder_layers(model)), False, dtype, device,
                             full_capacity=capacity, page_size=page)
         provider = _SpeculativeAttention(cache, None)
-        state = _Rows(batch, steps, sampling.pad_token_id, torch.tensor(seeds, dtype=torch.long, device=device),
-                      prompt_mask.sum(dim=1), device, _logprob_dtype(dtype))
+        state = SpeculativeRows(batch, steps, sampling.pad_token_id, torch.tensor(seeds, dtype=torch.long,
+                                                                                   device=device),
+                                prompt_mask.sum(dim=1), device, _logprob_dtype(dtype))
         stats = SpeculationStats()
-        keyword = cache_keyword(model)
-
-        def forward(tokens, columns, real, **kwargs):
-            provider.begin_forward(columns, real)
-            positions = state.prompt_lengths[state.rows, None] + columns - width
-            return model(input_ids=tokens, position_ids=positions, **{keyword: cache}, use_cache=True,
-                         **kwargs).logits
-
+        runner = self.runners.setdefault(sampling.compile_decode, StepRunner.for_device(sampling.compile_decode,
+                                                                                         device))
+        rollout = Rollout(model, cache, provider, state, sampling, width, capacity, cache_keyword(model), runner)
         with masked_attention(model, provider):
-            provider.prefill = True
             provider.begin_forward(torch.arange(width, device=device).expand(len(first), -1), prompt_mask[first])
             logits = model(input_ids=prompt_ids[first], position_ids=positions_from_mask(prompt_mask[first]),
-                           **{keyword: cache}, use_cache=True, logits_to_keep=1).logits
-            provider.prefill = False
+                           **{rollout.keyword: cache}, use_cache=True, logits_to_keep=1).logits
             if len(first) < batch:
                 for layer in cache.layers:
                     layer.select_rows(group)
@@ -145,10 +134,10 @@ class SpeculativeSampler:
             draft.recommit(cache)
             first, _, _ = draw_tokens(logits[:, -1], sampling.temperature, None, row_uniforms(state.seeds, 0))
             state.emit(first[:, None], torch.ones(batch, dtype=torch.long, device=device),
-                       _dense_logprobs(logits, first[:, None], sampling.temperature, state.logprob_dtype),
+                       dense_logprobs(logits, first[:, None], sampling.temperature, state.logprob_dtype),
                        sampling.eos_token_id)
             while state.any_live():
-                self._round(state, cache, provider, draft, forward, sampling, width, capacity, stats)
+                self._round(rollout, draft, stats)
                 if on_step is not None:
                     on_step(stats.last_advance)
                 if state.should_release():
@@ -156,7 +145,7 @@ class SpeculativeSampler:
                     for layer in cache.layers:
                         layer.select_rows(staying)
                     draft.recommit(cache)
-
+        runner.release()
         stats.attended_frac = draft.attended_frac
         self.totals.add(stats)
         span = int(state.lengths.max())
@@ -173,66 +162,48 @@ class SpeculativeSampler:
             rollout_seconds=now(device) - started, kv=kv, replayable=True, speculation=stats,
         )
 
-    def _round(self, state: _Rows, cache: BufferCache, provider: _SpeculativeAttention, draft,
-               forward, sampling: SamplingConfig, width: int, capacity: int, stats: SpeculationStats) -> None:
-        """Draft γ tokens per row, verify them in one dense forward, emit the accepted ones and one more."""
-        temperature = sampling.temperature
+    def _round(self, rollout: Rollout, draft, stats: SpeculationStats) -> None:
+        """Draft γ tokens per row, verify them in one dense forward, emit the accepted ones and one more: between the
+        static steps, the round's decisions (γ, a compaction) and its counts, which read the device."""
+        state, cache = rollout.state, rollout.cache
         emitted, live = state.lengths[state.rows], state.live[state.rows]
-        seeds = state.seeds[state.rows]
         # Never draft past the longest row's remaining tokens: the round emits at most γ + 1.
         most = int((state.steps - emitted)[live].max())
         gamma = min(self.adaptive.choose() if self.adaptive else self.max_draft_tokens, most - 1)
-        if cache.layers[0].length + gamma + 1 > capacity:
+        if cache.layers[0].length + gamma + 1 > rollout.capacity:
             compact(cache)
             draft.recommit(cache)
-        pending = state.response_ids[state.rows, emitted - 1]
-        fed = emitted[:, None] - 1  # response index of each row's first token fed this round [A, 1]
-        longest_fed = int(fed.max())  # one host read per round, not one per draft step
+        cache.reserve(gamma + 1)  # the round's slots: the drafts, then the verification over them and one more
+        drafting = rollout.begin_round(gamma, self.max_draft_tokens)
+        longest_fed = int(emitted.max()) - 1  # one host read per round, not one per draft step
         device = emitted.device
 
         started = now(device)
-        drafts, draft_logps = [], []
-        provider.drafting = True
+        rollout.provider.drafting = True
         for j in range(gamma):
-            draft.begin_step(width + longest_fed + j, cache.layers[0].length + 1)
-            token = pending if j == 0 else drafts[-1]
-            logits = forward(token[:, None], width + fed + j, live[:, None])[:, -1]
-            token, _, logp = draw_tokens(logits, temperature, None, row_uniforms(seeds, emitted + j))
-            drafts.append(token)
-            draft_logps.append(logp)
-        provider.drafting = False
-        for layer in cache.layers:
-            layer.length -= gamma  # the draft's slots: the verifier rewrites them densely
+            draft.begin_step(rollout.width + longest_fed + j, cache.layers[0].length + 1)
+            rollout.runner.run(draft_step, (rollout, draft, drafting), cache.static_tensors(),
+                               [*cache.static_counters(), *drafting.tensors(), *draft.static_tensors()],
+                               draft.static_key())
+            cache.advance(1)
+        rollout.provider.drafting = False
+        for layer in cache.layers:  # the draft's slots: the verifier rewrites them densely
+            layer.length -= gamma
+            layer.slot_counts -= gamma
         draft_seconds = now(device) - started
 
         started = now(device)
-        start = cache.layers[0].length
-        offsets = torch.arange(gamma + 1, device=emitted.device)
-        tokens = torch.stack([pending, *drafts], dim=1)  # [A, γ+1]
-        logits = forward(tokens, width + fed + offsets, live[:, None].expand(-1, gamma + 1))
-        dense_logp = processed_logprobs(logits.flatten(0, 1), temperature).view(*tokens.shape, -1)  # [A, γ+1, V]
-
-        def dense_draw(position: torch.Tensor) -> torch.Tensor:
-            """p's own draw at round position `position [A]` of each row: only the position a row stops at
-            needs one, so the float64 inverse CDF runs once per row, not γ + 1 times."""
-            at_position = logits[torch.arange(len(position), device=position.device), position]
-            return draw_tokens(at_position, temperature, None, row_uniforms(seeds, emitted + position))[0]
-
-        chosen, accepted = _accept(tokens[:, 1:], torch.stack(draft_logps, dim=1) if gamma else None, dense_logp,
-                                   dense_draw, seeds, emitted, temperature)
-        advance = torch.where(live, accepted + 1, 0)
-        logprobs = _dense_logprobs(logits, chosen, temperature, state.logprob_dtype)
-        advance = state.emit(chosen, advance, logprobs, sampling.eos_token_id)
-        # Slots hold [pending, d1..dγ]: the pending token and the accepted drafts are this row's context now.
-        real = offsets[None, :] < advance[:, None]
-        for layer in cache.layers:
-            layer.real[:, :, start:start + gamma + 1] = real[:, None, :]
-        draft.commit(cache, start, real)
+        outputs = rollout.verified(gamma)
+        rollout.runner.run(verify_step, (rollout, draft, drafting, outputs, gamma), cache.static_tensors(),
+                           [*cache.static_counters(), *state.tensors(), *outputs.values(), *draft.static_tensors()],
+                           (gamma,))
+        cache.advance(gamma + 1)
         verify_seconds = now(device) - started
 
+        accepted, advance = outputs["accepted"], outputs["advance"]
+        offsets = torch.arange(gamma + 1, device=device)
         compared = (offsets[None, :gamma] <= accepted[:, None]) & live[:, None]
-        alpha = acceptance_rate(torch.stack(draft_logps, dim=1), dense_logp[:, :gamma]) if gamma else \
-            dense_logp.new_zeros(len(live), 0)
+        alpha = outputs["alpha"][:, :gamma]
         cached = state.prompt_lengths[state.rows, None] + emitted[:, None] + offsets[None, :gamma]
         stats.add_round(gamma, int(live.sum()), int(advance.sum()), alpha[compared], cached[compared],
                         (offsets[None, :gamma] < accepted[:, None])[compared], draft_seconds, verify_seconds)
@@ -241,54 +212,9 @@ class SpeculativeSampler:
         stats.last_advance = int(advance.max())
 
 
-def _accept(drafts: torch.Tensor, draft_logp: torch.Tensor | None, dense_logp: torch.Tensor,
-            dense_draw: Callable[[torch.Tensor], torch.Tensor], seeds: torch.Tensor, emitted: torch.Tensor,
-            temperature: float):
-    """The round's tokens `[A, γ+1]` (the first `accepted + 1` of each row count) and `accepted [A]`.
-
-    drafts `[A, γ]`, draft_logp (q) `[A, γ, V]`, dense_logp (p) `[A, γ+1, V]`, `dense_draw(position [A])`
-    p's own draw at that round position of each row (from the same uniforms as the drafts), emitted `[A]`
-    tokens so far.
-    """
-    rows, gamma = drafts.shape[0], drafts.shape[1]
-    positions = emitted[:, None] + torch.arange(gamma + 1, device=emitted.device)
-    if gamma == 0:
-        accepted = torch.zeros(rows, dtype=torch.long, device=drafts.device)
-        return dense_draw(accepted)[:, None], accepted
-    if temperature <= 0:
-        agree = drafts == dense_logp[:, :gamma].argmax(dim=-1)  # p's greedy draws
-    else:
-        ratio = (dense_logp[:, :gamma].gather(2, drafts[..., None]) - draft_logp.gather(2, drafts[..., None])).exp()
-        tests = row_uniforms(stream_seeds(seeds, _ACCEPT_STREAM)[:, None], positions[:, :gamma])
-        agree = tests < ratio.squeeze(2).double()
-    accepted = agree.long().cumprod(dim=1).sum(dim=1)
-    # The token at the first rejection (or the bonus): p's draw when every draft passed (or greedy),
-    # else a draw from the residual max(0, p − q), normalised.
-    final = dense_draw(accepted)
-    if temperature > 0:
-        at = accepted.clamp(max=gamma - 1)[:, None, None].expand(-1, 1, dense_logp.shape[2])
-        residual = (dense_logp.gather(1, at).exp() - draft_logp.gather(1, at).exp()).squeeze(1).clamp(min=0)
-        # p = q to rounding leaves no residual: there a rejection is rounding noise, and p's draw stands.
-        has_residual = residual.sum(dim=1) > 0
-        residual_token, _, _ = draw_tokens(residual.log().where(has_residual[:, None], 0.0), 1.0, None,
-                                       row_uniforms(stream_seeds(seeds, _RESIDUAL_STREAM),
-                                                    positions.gather(1, accepted[:, None]).squeeze(1)))
-        final = torch.where((accepted < gamma) & has_residual, residual_token, final)
-    tokens = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, accepted[:, None], final[:, None])
-    return tokens, accepted
-
-
 def _logprob_dtype(dtype: torch.dtype) -> torch.dtype:
     """Recorded log-probs keep a float64 model's precision (the engine draws in float32, `draw_tokens`)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _dense_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Log-probs `[A, Q]` of `tokens [A, Q]` under the processed dense distributions `logits [A, Q, V]`
-    (temperature applied; greedy records the plain softmax, as the engine does)."""
-    scaled = logits.to(dtype) / logit_scale(temperature)
-    return scaled.gather(2, tokens[..., None]).squeeze(2) - scaled.logsumexp(dim=2)
 
 
 def compact(cache: BufferCache) -> None:
@@ -303,91 +229,29 @@ def compact(cache: BufferCache) -> None:
 
 
 class _SpeculativeAttention:
-    """The mask provider: causal by column over real slots (holes skipped), block-sparse while drafting."""
+    """The mask provider: the cache's masks (a slot is visible if real and not after the query: holes never), narrowed
+    by the draft while drafting."""
 
     def __init__(self, cache: BufferCache, draft):
         self.cache = cache
         self.draft = draft
         self.drafting = False
-        self.prefill = False
-        self.query_columns: torch.Tensor | None = None  # [A, Q]
+        self.query_columns: torch.Tensor | None = None  # [A, Q] of the prefill
 
     def begin_forward(self, columns: torch.Tensor, real: torch.Tensor) -> None:
         self.query_columns = columns
         self.cache.set_incoming(columns, real)
 
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
-        """Bool `[A, 1, Q, K]`. The prefill keeps the cache's own mask (a padding query sees itself);
-        later a slot is visible if real and not after the query: holes, whatever column they held, never."""
+        """Bool `[A, Hs, Q, K]`: the prefill's (a padding query sees itself), then the static steps'."""
         layer = self.cache.layers[layer_idx]
-        if self.prefill:
-            return layer.visible(self.query_columns)
-        real = layer.real[:, :, :layer.length]
-        if query_len == 1 and layer.sliding_window is None:
-            return real[:, :, None, :]  # every cached slot precedes the one query
-        columns = layer.columns[:, :, None, :layer.length]
-        queries = self.query_columns[:, None, :, None]
-        seen = real[:, :, None, :] & (columns <= queries)
-        if layer.sliding_window is not None:
-            seen &= columns > queries - layer.sliding_window
-        return seen
+        return layer.static_visible() if layer.static_slots is not None else layer.visible(self.query_columns)
 
     def observe(self, layer_idx, query, key, mask) -> None:
         pass
 
     def select_keys(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
         return self.draft.select(layer_idx, query, mask) if self.drafting else None
-
-
-class _Rows:
-    """The batch's sampling state: tokens, dense log-probs, lengths, and which rows are still in the cache."""
-
-    def __init__(self, batch: int, steps: int, pad: int, seeds: torch.Tensor, prompt_lengths: torch.Tensor,
-                 device: torch.device, logprob_dtype: torch.dtype):
-        self.steps = steps
-        self.seeds, self.prompt_lengths = seeds, prompt_lengths
-        self.logprob_dtype = logprob_dtype
-        self.response_ids = torch.full((batch, steps), pad, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros((batch, steps), dtype=logprob_dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.live = torch.ones(batch, dtype=torch.bool, device=device)
-        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.rows = torch.arange(batch, device=device)  # the batch row of each cache row
-
-    def emit(self, tokens: torch.Tensor, advance: torch.Tensor, logprobs: torch.Tensor,
-             eos: int | None) -> torch.Tensor:
-        """Append the first `advance [A]` of `tokens [A, Q]` to the cache rows' responses, cut at
-        max_new_tokens and after an EOS (which ends the row); returns the tokens kept per row."""
-        rows = self.rows
-        emitted = self.lengths[rows]
-        offsets = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        advance = torch.minimum(advance, self.steps - emitted)
-        if eos is not None:
-            is_eos = (tokens == eos) & (offsets < advance[:, None])
-            hit = is_eos.any(dim=1)
-            advance = torch.where(hit, is_eos.long().argmax(dim=1) + 1, advance)
-            self.ended[rows] |= hit
-        keep = offsets < advance[:, None]
-        columns = (emitted[:, None] + offsets)[keep]
-        batch_rows = rows[:, None].expand_as(keep)[keep]
-        self.response_ids[batch_rows, columns] = tokens[keep]
-        self.logprobs[batch_rows, columns] = logprobs[keep].to(self.logprob_dtype)
-        self.lengths[rows] = emitted + advance
-        self.live[rows] &= ~self.ended[rows] & (self.lengths[rows] < self.steps)
-        return advance
-
-    def any_live(self) -> bool:
-        return bool(self.live[self.rows].any())
-
-    def should_release(self) -> bool:
-        """As the engine: finished rows leave once they are an eighth of the rows in the cache."""
-        done = int((~self.live[self.rows]).sum())
-        return done >= max(1, len(self.rows) // 8) and done < len(self.rows)
-
-    def release(self) -> torch.Tensor:
-        staying = self.live[self.rows].nonzero().squeeze(1)
-        self.rows = self.rows[staying]
-        return staying
 
 
 @dataclass

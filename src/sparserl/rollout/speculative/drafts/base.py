@@ -59,20 +59,30 @@ def build_draft(settings, cache: BufferCache, steps: int, width: int):
 
 
 class DenseDraft:
-    """Narrows nothing: every draft query reads every key (the verifier's own attention)."""
+    """Narrows nothing: every draft query reads every key (the verifier's own attention).
+
+    A draft runs inside the speculative sampler's static steps: `begin_step` (on the host, before each draft step)
+    sets what shapes the next one (`static_key`); `select` and `commit_slots` run inside the steps, with tensor
+    indices only; `static_tensors` are what they advance."""
 
     attended_frac = 1.0
 
     def begin_step(self, cached_len: int, length: int) -> None:
         pass
 
+    def static_key(self) -> tuple:
+        return ()
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def select(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
         return None
 
-    def commit(self, cache: BufferCache, start: int, real: torch.Tensor) -> None:
-        pass
+    def commit_slots(self, cache: BufferCache, slots: torch.Tensor, real: torch.Tensor) -> None:
+        """The verification wrote the slots `slots [A, Q]`, real where `real [A, Q]`: now part of every row's context."""
 
     def recommit(self, cache: BufferCache) -> None:
-        pass
+        """The slots moved (a compaction, rows leaving): rebuild what the draft keeps of them."""
 
 

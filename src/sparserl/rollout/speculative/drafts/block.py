@@ -15,7 +15,7 @@ class _BlockDraft(DenseDraft):
     """A `BlockSelector` whose page centroids hold only verified slots.
 
     The selector folds every slot it sees into its centroids; draft slots are rolled back and rejected
-    slots become holes, so here its centroids ignore that and take the verified slots (`commit`), and
+    slots become holes, so here its centroids ignore that and take the verified slots (`commit_slots`), and
     are rebuilt when slots move (`recommit`: compaction, rows leaving)."""
 
     def __init__(self, sparsity: BlockSparsity, cache: BufferCache, steps: int, width: int):
@@ -29,8 +29,20 @@ class _BlockDraft(DenseDraft):
     def begin_step(self, cached_len: int, length: int) -> None:
         self.selector.begin_step(0, cached_len, length)
 
+    def static_key(self) -> tuple:
+        return self.selector.static_key()
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return self.selector.static_tensors()
+
     def select(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
         return self.selector.select(layer_idx, query, mask)
+
+    def commit_slots(self, cache: BufferCache, slots: torch.Tensor, real: torch.Tensor) -> None:
+        for layer_idx, centroids in self.selector.centroids.items():
+            keys = cache.layers[layer_idx].keys
+            index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+            centroids.commit_slots(keys.gather(2, index), real, slots)
 
     def recommit(self, cache: BufferCache) -> None:
         some = cache.layers[0]
@@ -38,18 +50,19 @@ class _BlockDraft(DenseDraft):
         self.selector.centroids = {
             i: _CommittedCentroids(some.batch, some.kv_heads, some.head_dim, max_pages, self.sparsity.page_size,
                                    some.device) for i in self.selector.centroids}
-        self.commit(cache, 0, some.real[:, 0, :some.length])
-
-    def commit(self, cache: BufferCache, start: int, real: torch.Tensor) -> None:
-        """Fold the slots from `start` on (`real [A, n]`: which hold a token) into the centroids."""
         for layer_idx, centroids in self.selector.centroids.items():
-            keys = cache.layers[layer_idx].keys[:, :, start:start + real.shape[1]]
-            centroids.commit(keys, real)
+            centroids.commit(cache.layers[layer_idx].keys[:, :, :some.length], some.real[:, 0, :some.length])
 
 
 class _CommittedCentroids(PageCentroids):
     def extend(self, keys: torch.Tensor, real: torch.Tensor) -> None:
         """Ignored: the selector calls it with the draft's own slots."""
 
+    def fold(self, keys: torch.Tensor, real: torch.Tensor, slots: torch.Tensor) -> None:
+        """Ignored: the selector calls it with the draft's own slots."""
+
     def commit(self, keys: torch.Tensor, real: torch.Tensor) -> None:
         super().extend(keys, real)
+
+    def commit_slots(self, keys: torch.Tensor, real: torch.Tensor, slots: torch.Tensor) -> None:
+        super().fold(keys, real, slots)
