@@ -31,9 +31,9 @@ import traceback
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from sparserl.model.clock import HostReads
 from sparserl.model.forward import batched_logprobs
 from sparserl.rollout.batch import SamplingConfig
 from sparserl.rollout.dispatch.scheduler import request_seed
@@ -43,23 +43,9 @@ from sparserl.rollout.sparsity.eviction import KVCompression
 from sparserl.rollout.speculative.drafts import WindowDraft
 from sparserl.rollout.speculative.sampler import SpeculativeSampler
 
-HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
-              "aten.is_nonzero.default", "aten.equal.default"}
 LAUNCHES = ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaLaunchKernelExC", "cuLaunchKernel")
 METHODS = ("dense", "rkv", "snapkv", "block", "spec-window", "spec-block")
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by the card's name
-
-
-class HostReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        self.reads += str(func) in HOST_READS
-        return func(*args, **(kwargs or {}))
 
 
 class Bench:

@@ -138,8 +138,8 @@ def test_selection_ties_go_to_the_earlier_page():
 
 
 def test_selector_gathers_the_brute_force_pages(tiny):
-    """The engine-side selector on a cache filled by hand: the keys, values and mask it gathers are
-    those of the float64 loop's pages, slots past the cache length masked."""
+    """The engine-side selector inside static steps, on a cache filled by hand: the keys, values and mask it gathers
+    are those of the float64 loop's pages, the slots past the row's token masked, and its record is those pages."""
     model, _ = tiny
     query, keys, real = _random_case(1, kv_heads=2, dim=16)
     values = torch.randn_like(keys)
@@ -151,18 +151,23 @@ def test_selector_gathers_the_brute_force_pages(tiny):
     layer.update(keys[:, :, :20], values[:, :, :20])
     selector = BlockSelector(BlockSparsity(budget=4 * PAGE, page_size=PAGE, dense_layers=1), cache, steps=8,
                              first_column=20, record=True)
+    selector.fold_prompt()
     for step, s in enumerate(range(20, 23)):
-        cache.set_incoming(columns[:, s:s + 1], real[:, s:s + 1])
+        layer.reserve(s + 1)
+        cache.begin_static(columns[:, s:s + 1], real[:, s:s + 1])
         layer.update(keys[:, :, s:s + 1], values[:, :, s:s + 1])
-        selector.begin_step(step, s, s + 1)
-        mask = layer.visible(columns[:, s:s + 1])
+        selector.begin_step(s, s + 1)
+        mask = layer.static_visible()
         assert selector.select(0, query[:, :, None], mask) is None  # a dense layer
         picked_k, picked_v, picked_mask = selector.select(2, query[:, :, None], mask)
+        cache.end_static()
+        layer.advance()
+        selector.end_static_step()
         expected = _brute_selection(_brute_scores(query, keys[:, :, :s + 1], real[:, :s + 1], PAGE), real, PAGE, 4)
         for n in range(5):
             slots = [p * PAGE + i for p in sorted(expected[n]) for i in range(PAGE)]
             inside = torch.tensor([x <= s for x in slots])
-            assert torch.equal(picked_mask[n, 0, 0], inside & mask[n, 0, 0, torch.tensor(slots).clamp(max=s)])
+            assert torch.equal(picked_mask[n, 0, 0], inside & real[n, torch.tensor(slots).clamp(max=s)])
             assert torch.equal(picked_k[n][:, inside], keys[n][:, torch.tensor(slots)[inside]])
             assert torch.equal(picked_v[n][:, inside], values[n][:, torch.tensor(slots)[inside]])
             recorded = selector.record.pages[2][n, step, :math.ceil((s + 1) / PAGE)]

@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from sparserl.model.clock import HostReads
 from sparserl.rollout.batch import SamplingConfig
 from sparserl.rollout.dispatch.scheduler import request_seed
 from sparserl.rollout.engine import decode_loop, step
@@ -18,9 +20,6 @@ from sparserl.rollout.engine.engine import RolloutEngine
 from sparserl.rollout.sparsity.block_sparse import BlockSparsity
 from sparserl.rollout.sparsity.eviction import KVCompression
 
-# Reading a tensor's value on the host: on a GPU each waits for the device's queue.
-HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default",
-              "aten.is_nonzero.default", "aten.equal.default"}
 SPARSITY = {"dense": None, "rkv": KVCompression("rkv", budget=12, window=3, interval=3),
             "h2o": KVCompression("h2o", budget=12, window=3, interval=3, per_head=True),
             "block": BlockSparsity(budget=12, page_size=4, dense_layers=0)}
@@ -68,42 +67,82 @@ def test_the_compiled_step_has_no_graph_break_and_samples_as_the_eager_one(tiny,
         assert compiled.kv.compressions > 0
 
 
-class _ReplayedGraph:
-    """What a CUDA graph does, on the CPU: the capture records the step without running it, a replay runs it."""
+def _storages(value) -> list[int]:
+    return [leaf.untyped_storage().data_ptr() for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+class _StepAccess(TorchDispatchMode):
+    """The storages a step reads that it did not make itself (`inputs`: weights, buffers, state) and, of those, the ones
+    it writes in place (`written`)."""
 
     def __init__(self):
-        self.step = None
+        super().__init__()
+        self.made: set[int] = set()
+        self.inputs: set[int] = set()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.inputs.update(ptr for ptr in _storages((args, kwargs)) if ptr not in self.made)
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[position] if position < len(args) else kwargs.get(argument.name)
+                self.written.update(ptr for ptr in _storages(value) if ptr in self.inputs)
+        out = func(*args, **kwargs)
+        self.made.update(ptr for ptr in _storages(out) if ptr not in self.inputs)
+        return out
+
+
+class _ReplayedGraph:
+    """What a CUDA graph does, on the CPU: the capture records the step without running it, a replay runs it, and reads
+    and writes the storages the capture saw (a real graph would use those addresses whatever the Python holds now)."""
+
+    def __init__(self, step, inputs: set[int]):
+        self.step, self.inputs = step, inputs
 
     def replay(self):
-        self.step()
+        with _StepAccess() as access:
+            self.step()
+        assert access.inputs == self.inputs, "a replay reads other tensors than its capture did: a stale graph"
 
 
 @contextlib.contextmanager
 def _graphs_on_the_cpu(monkeypatch):
-    graphs = []
+    """Captures and replays on the CPU; yields the graphs captured and the (step, key, addresses) each call met."""
+    graphs, met = [], []
+    replay = step.StepRunner._replay
+    held: list[torch.Tensor] = []
+
+    def tracked_replay(self, run, args, buffers, state, key):
+        held[:] = [*buffers, *(t for t in state if t is not None)]
+        met.append((run, key, tuple((t.data_ptr(), tuple(t.shape)) for t in held)))
+        return replay(self, run, args, buffers, state, key)
 
     def capture(run, state):
         saved = [(tensor, tensor.clone()) for tensor in state]
-        run()  # the warm-up: a real step, whose effects on the state the capture must undo
+        with _StepAccess() as access:
+            run()  # the warm-up: a real step, whose effects on the state the capture must undo
         for tensor, copy in saved:
             tensor.copy_(copy)
-        graph = _ReplayedGraph()
-        graph.step = run
-        graphs.append(graph)
-        return graph
+        undone_or_rewritten = set(_storages(held))  # the state restored, the buffers written again by each replay
+        assert access.written <= undone_or_rewritten, "the warm-up wrote a tensor the runner neither restores nor holds"
+        graphs.append(_ReplayedGraph(run, access.inputs))
+        return graphs[-1]
 
+    monkeypatch.setattr(step.StepRunner, "_replay", tracked_replay)
     monkeypatch.setattr(step, "_capture", capture)
-    yield graphs
+    yield graphs, met
 
 
 @pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o", "block"])
 def test_replayed_captures_sample_as_the_eager_step(tiny, monkeypatch, sparsity):
     """The graph runner's bookkeeping, replayed on the CPU: one capture per set of buffers (rows joining and leaving,
-    buffers growing make new ones), the warm-up's effects undone, and the rollout the eager one token for token."""
+    buffers growing make new ones), every replay on the tensors its capture read, the warm-up's writes undone or
+    rewritten by the replay, and the rollout the eager one token for token."""
     model, tokenizer = tiny
     rows = None if sparsity == "block" else 3
     _, eager = _generate(model, tokenizer, SPARSITY[sparsity], "false", max_rows=rows)
-    with _graphs_on_the_cpu(monkeypatch) as graphs:
+    with _graphs_on_the_cpu(monkeypatch) as (graphs, met):
         engine = RolloutEngine(model, SPARSITY[sparsity], record_distributions=True)
         engine.runners["eager"] = step.StepRunner("graphs")  # what "auto" runs on the CPU, replaced
         prompts = _prompts(tokenizer)
@@ -111,32 +150,30 @@ def test_replayed_captures_sample_as_the_eager_step(tiny, monkeypatch, sparsity)
                                   prompt_width=max(map(len, prompts)))
         replayed = engine.generate(prompts, sampling, seeds=[request_seed(5, r) for r in range(len(prompts))],
                                    max_rows=rows)
-    assert 1 < len(graphs) < 14  # captured again when the buffers changed, not at every step
+    assert 1 < len(graphs) == len(set(met)) < 14  # captured again when the buffers changed, not at every step
     assert torch.equal(eager.response_ids, replayed.response_ids)
     torch.testing.assert_close(eager.sampler_logprobs, replayed.sampler_logprobs, atol=0, rtol=0)
     torch.testing.assert_close(eager.sampler_distribution, replayed.sampler_distribution, atol=0, rtol=0)
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts the operators that read a tensor's value on the host, by the loop's phase they ran in."""
+class _HostReadsByPhase(HostReads):
+    """The host reads, by the loop's phase they ran in."""
 
     def __init__(self):
         super().__init__()
         self.phase = "loop"
-        self.reads: dict[str, int] = {}
+        self.by_phase: dict[str, int] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in HOST_READS:
-            self.reads[self.phase] = self.reads.get(self.phase, 0) + 1
-        return func(*args, **(kwargs or {}))
+    def on_read(self) -> None:
+        self.by_phase[self.phase] = self.by_phase.get(self.phase, 0) + 1
 
 
-@pytest.mark.parametrize("sparsity", ["dense", "rkv"])
+@pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o", "block"])
 def test_no_host_read_inside_a_step_and_one_check_every_k_steps(tiny, monkeypatch, sparsity):
     """Between compressions the decode loop reads the device only at its end-of-row checks (one every `check_every`
     steps, and when a cohort reaches its length limit); the step itself reads nothing."""
     model, tokenizer = tiny
-    counter = _HostReads()
+    counter = _HostReadsByPhase()
 
     def in_phase(name, method):
         def run(*args, **kwargs):
@@ -150,29 +187,64 @@ def test_no_host_read_inside_a_step_and_one_check_every_k_steps(tiny, monkeypatc
     for name in ("_admit", "_compress", "_release_finished"):
         monkeypatch.setattr(decode_loop.DecodeLoop, name, in_phase(name, getattr(decode_loop.DecodeLoop, name)))
     monkeypatch.setattr(step.StepRunner, "run", in_phase("step", step.StepRunner.run))
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(tensor):  # no operator on a CPU; on a GPU a copy to the host
+        counter.on_read()
+        return tolist(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     steps = []
     with counter:
         engine, batch = _generate(model, tokenizer, SPARSITY[sparsity], new=24, check_every=4)
         steps.append(int(batch.response_lengths.max()))
-    counter.reads.pop("loop", None)  # the engine's own reading of the finished batch, after the loop
-    assert counter.reads.get("step", 0) == 0
-    assert set(counter.reads) <= {"_admit", "_compress", "_release_finished"}
+    counter.by_phase.pop("loop", None)  # the engine's own reading of the finished batch, after the loop
+    assert counter.by_phase.get("step", 0) == 0
+    assert set(counter.by_phase) <= {"_admit", "_compress", "_release_finished"}
     # A check is a read of how many rows still sample, then (when some leave) which.
-    assert counter.reads.get("_release_finished", 0) <= 2 * (steps[0] // 4 + 2)
+    assert counter.by_phase.get("_release_finished", 0) <= 2 * (steps[0] // 4 + 2)
     if sparsity == "rkv":
         assert batch.kv.compressions > 0
 
 
 def test_a_bad_compile_setting_is_refused():
     with pytest.raises(ValueError, match="compile_decode"):
-        step.StepRunner.for_device("yes", torch.device("cpu"))
-    assert step.StepRunner.for_device("auto", torch.device("cpu")).mode == "eager"
-    assert step.StepRunner.for_device("true", torch.device("cpu")).mode == "compile"
-    assert step.StepRunner.for_device("auto", torch.device("cuda")).mode == "graphs"
-    assert step.StepRunner.for_device("false", torch.device("cuda")).mode == "eager"
+        step.StepRunner.mode_for("yes", torch.device("cpu"))
+    assert step.StepRunner.mode_for("auto", torch.device("cpu")) == "eager"
+    assert step.StepRunner.mode_for("true", torch.device("cpu")) == "compile"
+    assert step.StepRunner.mode_for("auto", torch.device("cuda")) == "graphs"
+    assert step.StepRunner.mode_for("false", torch.device("cuda")) == "eager"
 
 
-def _speculative(draft: str, compile_decode: str, runner: step.StepRunner | None = None):
+def test_a_rope_that_depends_on_the_length_runs_eagerly_and_refuses_to_compile():
+    """Dynamic NTK RoPE recomputes its frequencies on the host as the sequence grows (a branch on a tensor's value):
+    under auto its steps run eagerly and sample, asked to compile they are refused in one line."""
+    from sparserl.errors import ConfigError
+
+    model, tokenizer = make_tiny_model(seed=3, max_position_embeddings=14,
+                                       rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    assert step.StepRunner.for_model("auto", model).mode == "eager"
+    engine, batch = _generate(model, tokenizer, None, "auto")
+    assert list(engine.runners) == ["eager"] and int(batch.response_lengths.max()) > 0
+    with pytest.raises(ConfigError, match="rotary embedding depends on the sequence length"):
+        _generate(model, tokenizer, None, "true")
+
+
+def test_more_step_shapes_than_dynamo_keeps_go_on_eagerly(tiny, monkeypatch):
+    """Rows leaving and joining make a compilation per (rows, capacity); past dynamo's limit the rollout warns once and
+    goes on eagerly, with the tokens of an eager rollout."""
+    model, tokenizer = tiny
+    _, eager = _generate(model, tokenizer, SPARSITY["rkv"], "false", max_rows=2)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with pytest.warns(RuntimeWarning, match="more step shapes than torch.compile keeps"):
+        engine, compiled = _generate(model, tokenizer, SPARSITY["rkv"], "true", max_rows=2)
+    torch._dynamo.reset()
+    assert engine.runners["compile"].mode == "eager"
+    assert torch.equal(eager.response_ids, compiled.response_ids)
+
+
+def _speculative(draft: str, compile_decode: str, runner: step.StepRunner | None = None, gamma="3"):
     """A lossless rollout of the tiny model (peaked attention, so that the draft differs from the dense model)."""
     from sparserl.rollout.speculative.drafts import WindowDraft
     from sparserl.rollout.speculative.sampler import SpeculativeSampler
@@ -181,7 +253,7 @@ def _speculative(draft: str, compile_decode: str, runner: step.StepRunner | None
     settings = WindowDraft(budget=8, sink=2) if draft == "window" else BlockSparsity(budget=12, page_size=4,
                                                                                     dense_layers=0)
     prompts = _prompts(tokenizer)
-    sampler = SpeculativeSampler(model, settings, draft_tokens=3)
+    sampler = SpeculativeSampler(model, settings, draft_tokens=gamma)
     if runner is not None:
         sampler.runners[compile_decode] = runner
     sampling = SamplingConfig(16, 1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -192,13 +264,25 @@ def _speculative(draft: str, compile_decode: str, runner: step.StepRunner | None
 @pytest.mark.parametrize("draft", ["window", "block"])
 def test_the_speculative_samplers_steps_replay_as_their_eager_runs(monkeypatch, draft):
     """The lossless sampler's draft and verification steps run through the same static-step runner: replayed from
-    captures (one per draft setting and per γ), they sample what the eager steps sample, bit for bit."""
+    captures (one per draft setting and per γ, kept while the rows stay, however γ moves), they sample what the eager
+    steps sample, bit for bit."""
     eager = _speculative(draft, "false")
     assert eager.speculation.acceptance_rate < 1  # the draft differs from the dense model
-    with _graphs_on_the_cpu(monkeypatch) as graphs:
+    with _graphs_on_the_cpu(monkeypatch) as (graphs, met):
         replayed = _speculative(draft, "auto", step.StepRunner("graphs"))
-    assert graphs and torch.equal(eager.response_ids, replayed.response_ids)
+    assert graphs and len(graphs) == len(set(met))
+    assert torch.equal(eager.response_ids, replayed.response_ids)
     torch.testing.assert_close(eager.sampler_logprobs, replayed.sampler_logprobs, atol=0, rtol=0)
+
+
+def test_a_speculative_round_whose_gamma_moves_replays_its_earlier_captures(monkeypatch):
+    """Adaptive γ goes back and forth; each (step, γ) over the same rows is captured once and replayed after."""
+    with _graphs_on_the_cpu(monkeypatch) as (graphs, met):
+        batch = _speculative("window", "auto", step.StepRunner("graphs"), gamma="adaptive")
+    verify = [key for run, key, _ in met if run.__name__ == "verify_step"]
+    assert len(set(verify)) > 1 and len(verify) > len(set(verify))  # γ moved, and came back
+    assert len(graphs) == len(set(met))
+    assert batch.speculation.rounds > 0
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def _arguments(sub) -> None:
          "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
          _arguments)
 def _calibrate(args) -> int:
-    from ..config.schema import calibration_budgets
+    from ..config.validation import calibration_budgets
     from ..experiments.calibrate import calibration_table, run_calibration
     from ..train.layout import CALIBRATION_PLOT_FILE, SCHEDULE_FILE
 

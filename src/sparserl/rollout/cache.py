@@ -159,10 +159,15 @@ class BufferLayer(CacheLayerMixin):
         self.real = _grow(self.real, grow, 2)
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
-    def visible(self, query_columns: torch.Tensor) -> torch.Tensor:
-        """Bool `[N, Hs, Q, K]` over the held slots for queries at `query_columns [N, Q]` (a prefill): slot k is
+    def attention_mask(self) -> torch.Tensor:
+        """Bool: what the incoming tokens' queries see, in the static step (`static_visible`) or in a prefill
+        (`visible`)."""
+        return self.static_visible() if self.static_slots is not None else self.visible()
+
+    def visible(self) -> torch.Tensor:
+        """Bool `[N, Hs, Q, K]` over the held slots for a prefill's queries (at `incoming_columns [N, Q]`): slot k is
         visible if real and not after the query (within the window), or the query's own."""
-        q = query_columns[:, None, :, None]
+        q = self.incoming_columns[:, None, :, None]
         k = self.columns[:, :, None, : self.length]
         seen = self.real[:, :, None, : self.length] & (k <= q)
         if self.sliding_window is not None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config.schema import ExperimentConfig, calibration_budgets
+from ..config.schema import ExperimentConfig
+from ..config.validation import calibration_budgets
 from ..learner.distill import DistillTrainer
 from ..model.clock import now
 from ..rollout.acceptance import bin_tails

@@ -36,10 +36,11 @@ from ..sparsity.eviction import compress_rows
 from ..sparsity.policies import KVPolicy
 from .rollout_attention import RolloutAttention
 
-# Slots a dense cache grows by: finely, so that its measured peak (what KV saved divides by) is at most 15 slots a row
-# past its length; coarsely where each growth is a new CUDA graph or compilation of the static step.
-DENSE_GROWTH, CAPTURED_DENSE_GROWTH = 16, 128
 from .step import Responses, RowState, draw_and_record, run_decode_step
+
+# Slots a cache grows by: a dense one finely, so that its measured peak (what KV saved divides by) is at most 15 slots
+# a row past its length; any one coarsely where each growth is a new CUDA graph or compilation of the static step.
+DENSE_GROWTH, CAPTURED_GROWTH = 16, 128
 
 
 @dataclass
@@ -79,8 +80,11 @@ class DecodeLoop:
         self.capacities = engine.capacities(self.width, self.steps, engine.num_layers)
         # Compressed buffers grow an interval at a time, so that memory follows a growing schedule; a budget
         # that can never bind grows as the dense cache does (and so costs the same memory when rows leave).
-        dense_growth = DENSE_GROWTH if self.runner.mode == "eager" else CAPTURED_DENSE_GROWTH
-        self.growth = self.comp.interval if self.comp and min(self.capacities) < self.full else dense_growth
+        binds = self.comp is not None and min(self.capacities) < self.full
+        if self.runner.mode == "eager":
+            self.growth = self.comp.interval if binds else DENSE_GROWTH
+        else:
+            self.growth = max(self.comp.interval, CAPTURED_GROWTH) if binds else CAPTURED_GROWTH
         self.prompt_lengths = prompt_mask.sum(dim=1)
         batch, device = self.requests, self.device
         self.out = Responses(
@@ -246,7 +250,7 @@ class DecodeLoop:
         if self.cache.reserve(1):
             self.provider.fit_capacity()
         if self.selector is not None:
-            self.selector.begin_step(step, self.width + step, self.width + step + 1)
+            self.selector.begin_step(self.width + step, self.width + step + 1)
         run_decode_step(self.runner, self.model, self.cache, self.provider, self.rows, self.out, self.sampling,
                         self.cache_keyword, self.generator)
         self.cache.advance(1)

@@ -56,7 +56,7 @@ class RolloutEngine:
 
     def step_runner(self, compile_decode: str) -> StepRunner:
         """The runner of the static decode step for `compile_decode` on the model's device."""
-        runner = StepRunner.for_device(compile_decode, next(self.model.parameters()).device)
+        runner = StepRunner.for_model(compile_decode, self.model)
         return self.runners.setdefault(runner.mode, runner)
 
     def take_stats(self) -> None:

@@ -28,7 +28,6 @@ class RolloutAttention:
         self.window = window
         self.keep_queries = keep_queries
         self.keep_mass = keep_mass
-        self.query_columns: torch.Tensor | None = None  # [N, Q] of a prefill
         self.queries: dict[int, torch.Tensor] = {}  # layer -> [N, Hq, w, D], oldest first
         self.window_real: torch.Tensor | None = None  # [N, w], oldest first
         self.mass: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, capacity]
@@ -37,7 +36,6 @@ class RolloutAttention:
     def begin_forward(self, columns: torch.Tensor, real: torch.Tensor) -> None:
         """A prefill of `columns [N, P]` (realness `real [N, P]`): its last w queries start the window, which holds
         unreal ones on the left while the prompt is shorter."""
-        self.query_columns = columns
         self.cache.set_incoming(columns, real)
         if self.keep_queries:
             self.window_real = F.pad(real[:, -self.window:], (self.window - min(self.window, real.shape[1]), 0),
@@ -73,8 +71,7 @@ class RolloutAttention:
 
     # --- the mask provider ---------------------------------------------------------------------------
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
-        layer = self.cache.layers[layer_idx]
-        return layer.static_visible() if layer.static_slots is not None else layer.visible(self.query_columns)
+        return self.cache.layers[layer_idx].attention_mask()
 
     def select_keys(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
         return self.selector.select(layer_idx, query, mask) if self.selector is not None else None

@@ -17,11 +17,14 @@ or replayed (tests/test_static_step.py).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
+from ...errors import ConfigError
+from ...model.structure import rope_depends_on_length, text_config
 from .token_draws import draw_tokens, row_uniforms
 
 COMPILE_CHOICES = ("auto", "true", "false")
@@ -131,32 +134,57 @@ class StepRunner:
         self._compiled: dict[Callable, Callable] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
-    @classmethod
-    def for_device(cls, compile_decode: str, device: torch.device) -> StepRunner:
+    @staticmethod
+    def mode_for(compile_decode: str, device: torch.device) -> str:
         if compile_decode not in COMPILE_CHOICES:
             raise ValueError(f"compile_decode {compile_decode!r}: one of {', '.join(COMPILE_CHOICES)}")
         if compile_decode == "false":
-            return cls("eager")
-        return cls("graphs" if device.type == "cuda" else "compile" if compile_decode == "true" else "eager")
+            return "eager"
+        return "graphs" if device.type == "cuda" else "compile" if compile_decode == "true" else "eager"
+
+    @classmethod
+    def for_model(cls, compile_decode: str, model) -> StepRunner:
+        """The runner for `model`'s steps on its device. A rotary embedding that depends on the sequence length
+        (dynamic NTK, LongRoPE) recomputes its frequencies on the host as a sequence grows, which no graph can hold:
+        such a model's steps run eagerly under auto, and `true` is refused."""
+        mode = cls.mode_for(compile_decode, next(model.parameters()).device)
+        if mode != "eager" and rope_depends_on_length(text_config(model)):
+            if compile_decode == "true":
+                raise ConfigError("compile_decode true: this model's rotary embedding depends on the sequence length "
+                                  "(dynamic NTK or LongRoPE), so its decode step cannot be compiled or captured; use "
+                                  "auto or false")
+            mode = "eager"
+        return cls(mode)
 
     def release(self) -> None:
         """Drop the captured graphs (they hold the rollout's buffers and their memory pools)."""
         self._graphs.clear()
 
     def run(self, step: Callable, args: tuple, buffers: list[torch.Tensor], state: list[torch.Tensor],
-            key: tuple = (), capturable: bool = True) -> None:
+            key: tuple = ()) -> None:
         """`step(*args)`, which reads and writes `buffers` (writing the same values if run twice, as a cache's slots)
         and advances `state` (counters, windows, outputs: restored after the warm-up a capture needs). `key`: the
-        Python values the step's work depends on. Not `capturable` (a step drawing from a shared generator, whose
-        state moves outside any graph): run eagerly."""
-        if self.mode == "eager" or not capturable:
+        Python values the step's work depends on."""
+        if self.mode == "eager":
             step(*args)
         elif self.mode == "compile":
-            if step not in self._compiled:
-                self._compiled[step] = torch.compile(step, fullgraph=True, dynamic=False)
-            self._compiled[step](*args)
+            self._run_compiled(step, args)
         else:
             self._replay(step, args, buffers, state, key)
+
+    def _run_compiled(self, step: Callable, args: tuple) -> None:
+        if step not in self._compiled:
+            self._compiled[step] = torch.compile(step, fullgraph=True, dynamic=False)
+        try:
+            self._compiled[step](*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # Each (rows, capacity) is a compilation; rows leaving and joining can make more than dynamo keeps. The
+            # check raises before the step runs, so the rollout goes on eagerly from here (float rounding aside, the
+            # same step).
+            warnings.warn("compile_decode: more step shapes than torch.compile keeps compiled; the rest of this "
+                          "rollout's steps run eagerly", RuntimeWarning, stacklevel=3)
+            self.mode = "eager"
+            step(*args)
 
     def _replay(self, step, args, buffers, state, key) -> None:
         held = tuple((t.data_ptr(), tuple(t.shape)) for t in (*buffers, *state) if t is not None)

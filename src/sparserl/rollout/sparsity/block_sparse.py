@@ -12,7 +12,8 @@ others. Prefill, the first `dense_layers` layers and sliding-window layers stay 
 reads one centroid per page, not every key), the pages' keys and values gathered for the query, the
 attended fraction, and the record (`BlockSelections`) the replay turns into masks. Inside the engine's static
 decode step (`engine/step.py`) it reads every page of the buffers (empty ones score -inf) and folds in the one slot
-the step wrote, with tensor indices only; the speculative sampler's draft calls it between its own dynamic steps.
+the step wrote, with tensor indices only; the speculative sampler's draft steps are static steps too (their centroids
+hold only the verified slots: `speculative/drafts/block.py`). Prefill attends densely.
 """
 
 from __future__ import annotations
@@ -160,17 +161,15 @@ class BlockSelector:
             i: torch.ones(some.batch, steps, max_pages, dtype=torch.bool, device=some.device) for i in layers
         }) if record else None
         self.keep: int | None = None  # pages attended this step; None: every page (a dense step)
-        self.step = 0
         self.fraction_sum = torch.zeros((), device=some.device)
         self.fractions = torch.zeros((), device=some.device)  # sparse-layer decode steps counted (a tensor: the
         # static step counts them where it cannot count on the host)
         self.static_step = torch.zeros((), dtype=torch.long, device=some.device)  # the static step's index
 
-    def begin_step(self, step: int, cached_len: int, length: int) -> None:
-        """Decode step `step` will feed a token at cache length `length` (after it); the budget reads `cached_len`."""
+    def begin_step(self, cached_len: int, length: int) -> None:
+        """The next decode step feeds a token at cache length `length` (after it); the budget reads `cached_len`."""
         keep = self.sparsity.pages(cached_len)
         self.keep = keep if keep < -(-length // self.sparsity.page_size) else None
-        self.step = step
 
     @property
     def attended_frac(self) -> float:
@@ -203,41 +202,14 @@ class BlockSelector:
             centroids.select_rows(rows)
 
     def select(self, layer_idx: int, query: torch.Tensor, mask: torch.Tensor):
-        """The decode query's pages: gathered keys, values `[N, Hkv, keep·page, D]` and the dense mask
-        `mask [N, 1, 1, L]` on them, or None where this layer attends densely this step."""
+        """The static step's decode query `query [N, Hq, 1, D]` narrowed to its pages: the keys and values
+        `[N, Hkv, keep·page, D]` and `mask [N, Hs, 1, C]` gathered to them; or None where the layer attends densely
+        (a dense layer, a step whose budget covers every page, a prefill). Every page of the buffers is scored (a page
+        without a real key scores -inf), and the 2 most recent are those of the row's slot."""
         centroids = self.centroids.get(layer_idx)
-        if centroids is None:
-            return None
         layer = self.cache.layers[layer_idx]
-        if layer.static_slots is not None:
-            return self._select_static(layer_idx, layer, centroids, query, mask)
-        length = layer.length
-        centroids.extend(layer.keys[:, :, centroids.length:length], layer.real[:, 0, centroids.length:length])
-        self.fractions += 1
-        if self.keep is None:
-            self.fraction_sum += 1.0
+        if centroids is None or layer.static_slots is None:
             return None
-        page = self.sparsity.page_size
-        pages_now = -(-length // page)
-        counts = centroids.counts[:, :pages_now]
-        sink = (counts > 0).float().argmax(dim=1)  # the first page with a real token
-        recent = torch.tensor([max(pages_now - 2, 0), pages_now - 1], device=sink.device).expand(len(sink), 2)
-        pages = select_pages(page_scores(query, centroids.means[:, :, :pages_now], counts),
-                             torch.cat([sink[:, None], recent], dim=1), self.keep)
-        chosen = torch.zeros_like(counts, dtype=torch.bool).scatter_(1, pages, True)
-        self.fraction_sum += ((counts * chosen).sum(dim=1) / counts.sum(dim=1).clamp(min=1.0)).mean()
-        if self.record is not None:
-            self.record.pages[layer_idx][:, self.step, :pages_now] = chosen
-        keys, values = layer.gather_pages(pages, page)
-        slots = (pages[:, :, None] * page + torch.arange(page, device=pages.device)).flatten(1)  # [N, keep·page]
-        index = slots.clamp(max=length - 1)[:, None, None, :].expand(-1, mask.shape[1], -1, -1)
-        # The current page runs past the cache length: those slots hold no token yet.
-        return keys, values, mask.gather(3, index) & (slots < length)[:, None, None, :]
-
-    def _select_static(self, layer_idx: int, layer, centroids: PageCentroids, query: torch.Tensor,
-                       mask: torch.Tensor):
-        """`select` inside the static step: every page of the buffers is scored (a page without a real key scores
-        -inf), the 2 most recent are those of the row's slot, and the mask `[N, Hs, 1, C]` is gathered to the pages."""
         slot = layer.static_slots[:, 0]  # where the step wrote each row's token
         written = slot[:, None, None, None].expand(-1, layer.kv_heads, 1, layer.head_dim)
         centroids.fold(layer.keys.gather(2, written), layer.real[:, 0].gather(1, slot[:, None]), slot[:, None])

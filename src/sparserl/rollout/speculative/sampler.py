@@ -119,11 +119,10 @@ class SpeculativeSampler:
                                                                                    device=device),
                                 prompt_mask.sum(dim=1), device, _logprob_dtype(dtype))
         stats = SpeculationStats()
-        runner = self.runners.setdefault(sampling.compile_decode, StepRunner.for_device(sampling.compile_decode,
-                                                                                         device))
+        runner = self.runners.setdefault(sampling.compile_decode, StepRunner.for_model(sampling.compile_decode, model))
         rollout = Rollout(model, cache, provider, state, sampling, width, capacity, cache_keyword(model), runner)
         with masked_attention(model, provider):
-            provider.begin_forward(torch.arange(width, device=device).expand(len(first), -1), prompt_mask[first])
+            cache.set_incoming(torch.arange(width, device=device).expand(len(first), -1), prompt_mask[first])
             logits = model(input_ids=prompt_ids[first], position_ids=positions_from_mask(prompt_mask[first]),
                            **{rollout.keyword: cache}, use_cache=True, logits_to_keep=1).logits
             if len(first) < batch:
@@ -174,7 +173,7 @@ class SpeculativeSampler:
             compact(cache)
             draft.recommit(cache)
         cache.reserve(gamma + 1)  # the round's slots: the drafts, then the verification over them and one more
-        drafting = rollout.begin_round(gamma, self.max_draft_tokens)
+        drafting = rollout.begin_round(self.max_draft_tokens)
         longest_fed = int(emitted.max()) - 1  # one host read per round, not one per draft step
         device = emitted.device
 
@@ -182,7 +181,7 @@ class SpeculativeSampler:
         rollout.provider.drafting = True
         for j in range(gamma):
             draft.begin_step(rollout.width + longest_fed + j, cache.layers[0].length + 1)
-            rollout.runner.run(draft_step, (rollout, draft, drafting), cache.static_tensors(),
+            rollout.runner.run(draft_step, (rollout, drafting), cache.static_tensors(),
                                [*cache.static_counters(), *drafting.tensors(), *draft.static_tensors()],
                                draft.static_key())
             cache.advance(1)
@@ -193,8 +192,8 @@ class SpeculativeSampler:
         draft_seconds = now(device) - started
 
         started = now(device)
-        outputs = rollout.verified(gamma)
-        rollout.runner.run(verify_step, (rollout, draft, drafting, outputs, gamma), cache.static_tensors(),
+        outputs = rollout.verified
+        rollout.runner.run(verify_step, (rollout, draft, drafting, gamma), cache.static_tensors(),
                            [*cache.static_counters(), *state.tensors(), *outputs.values(), *draft.static_tensors()],
                            (gamma,))
         cache.advance(gamma + 1)
@@ -236,16 +235,10 @@ class _SpeculativeAttention:
         self.cache = cache
         self.draft = draft
         self.drafting = False
-        self.query_columns: torch.Tensor | None = None  # [A, Q] of the prefill
-
-    def begin_forward(self, columns: torch.Tensor, real: torch.Tensor) -> None:
-        self.query_columns = columns
-        self.cache.set_incoming(columns, real)
 
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
         """Bool `[A, Hs, Q, K]`: the prefill's (a padding query sees itself), then the static steps'."""
-        layer = self.cache.layers[layer_idx]
-        return layer.static_visible() if layer.static_slots is not None else layer.visible(self.query_columns)
+        return self.cache.layers[layer_idx].attention_mask()
 
     def observe(self, layer_idx, query, key, mask) -> None:
         pass

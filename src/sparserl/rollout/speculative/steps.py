@@ -2,7 +2,9 @@
 attention, drawn from its distribution q) and a verification (one dense forward of [pending, d1..dγ] per row, the
 acceptance tests, the emission, the holes). Both are functions of device tensors updated in place, which read nothing
 back to the host, so the sampler (`sampler.py`) captures them as CUDA graphs (one per draft setting and per γ) or
-compiles them; its rounds decide between them (γ, compactions, rows leaving) and count what they did.
+compiles them; its rounds decide between them (γ, compactions, rows leaving) and count what they did. Every round's
+steps read and write the same buffers while the rows stay, whatever its γ, so a captured step is replayed, not
+captured again, when adaptive γ moves.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class Rollout:
         self.model, self.cache, self.provider, self.state, self.sampling = model, cache, provider, state, sampling
         self.width, self.capacity, self.keyword, self.runner = width, capacity, keyword, runner
         self._drafting: DraftState | None = None
-        self._verified: dict[int, dict[str, torch.Tensor]] = {}
+        self.verified: dict[str, torch.Tensor] = {}
 
-    def begin_round(self, gamma: int, most: int) -> DraftState:
-        """The draft state of a round, its buffers reused while the rows stay (a captured step holds them)."""
+    def begin_round(self, most: int) -> DraftState:
+        """The draft state of a round of at most `most` drafts per row, its buffers (and the verification's outputs,
+        `verified`) reused while the rows stay: a captured step holds them."""
         state = self.state
         rows = len(state.rows)
         emitted, live = state.lengths[state.rows], state.live[state.rows]
@@ -47,7 +50,10 @@ class Rollout:
                 tokens=torch.zeros(rows, max(most, 1), dtype=torch.long, device=device),
                 logps=torch.zeros(rows, max(most, 1), vocabulary, dtype=torch.float32, device=device),
                 step=torch.zeros((), dtype=torch.long, device=device))
-            self._verified = {}
+            # The verification's outputs: tokens accepted [A], tokens emitted [A], α at each draft position [A, most].
+            self.verified = {"accepted": torch.zeros(rows, dtype=torch.long, device=device),
+                             "advance": torch.zeros(rows, dtype=torch.long, device=device),
+                             "alpha": torch.zeros(rows, max(most, 1), dtype=torch.float32, device=device)}
         fed = emitted - 1  # the response index of each row's first token fed this round
         drafting.feed.copy_(state.response_ids[state.rows, fed])
         drafting.columns.copy_(self.width + fed)
@@ -57,19 +63,8 @@ class Rollout:
         drafting.step.zero_()
         return drafting
 
-    def verified(self, gamma: int) -> dict[str, torch.Tensor]:
-        """The outputs of a γ round's verification: tokens accepted `[A]`, tokens emitted `[A]`, and α `[A, γ]` at
-        each draft position."""
-        if gamma not in self._verified:
-            rows = len(self.state.rows)
-            device = self.state.rows.device
-            self._verified[gamma] = {"accepted": torch.zeros(rows, dtype=torch.long, device=device),
-                                     "advance": torch.zeros(rows, dtype=torch.long, device=device),
-                                     "alpha": torch.zeros(rows, max(gamma, 1), dtype=torch.float32, device=device)}
-        return self._verified[gamma]
 
-
-def draft_step(rollout: Rollout, draft, drafting: DraftState) -> None:
+def draft_step(rollout: Rollout, drafting: DraftState) -> None:
     """One draft token per row: the draft's sparse attention over the cache, a draw from its distribution q."""
     cache = rollout.cache
     cache.begin_static(drafting.columns[:, None], drafting.real[:, None])
@@ -87,10 +82,9 @@ def draft_step(rollout: Rollout, draft, drafting: DraftState) -> None:
     drafting.step.add_(1)
 
 
-def verify_step(rollout: Rollout, draft, drafting: DraftState, outputs: dict[str, torch.Tensor],
-                 gamma: int) -> None:
-    """One dense forward of [pending token, d1..dγ] per row, the acceptance tests and the emission; the slots past
-    what a row accepted become holes."""
+def verify_step(rollout: Rollout, draft, drafting: DraftState, gamma: int) -> None:
+    """One dense forward of [pending token, d1..dγ] per row, the acceptance tests and the emission, into
+    `rollout.verified` (α in its first γ columns); the slots past what a row accepted become holes."""
     state, cache, sampling = rollout.state, rollout.cache, rollout.sampling
     temperature = sampling.temperature
     emitted, live = state.lengths[state.rows], state.live[state.rows]
@@ -123,10 +117,11 @@ def verify_step(rollout: Rollout, draft, drafting: DraftState, outputs: dict[str
         layer.real.scatter_(2, slots[:, None, :].expand(-1, layer.selection_heads, -1),
                             real[:, None, :].expand(-1, layer.selection_heads, -1))
     draft.commit_slots(cache, slots, real)
+    outputs = rollout.verified
     outputs["accepted"].copy_(accepted)
     outputs["advance"].copy_(advance)
     if gamma:
-        outputs["alpha"].copy_(acceptance_rate(draft_logp, dense_logp[:, :gamma]))
+        outputs["alpha"][:, :gamma].copy_(acceptance_rate(draft_logp, dense_logp[:, :gamma]))
 
 
 def accept(drafts: torch.Tensor, draft_logp: torch.Tensor | None, dense_logp: torch.Tensor,

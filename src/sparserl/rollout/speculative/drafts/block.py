@@ -27,7 +27,7 @@ class _BlockDraft(DenseDraft):
         return self.selector.attended_frac
 
     def begin_step(self, cached_len: int, length: int) -> None:
-        self.selector.begin_step(0, cached_len, length)
+        self.selector.begin_step(cached_len, length)
 
     def static_key(self) -> tuple:
         return self.selector.static_key()
@@ -51,18 +51,12 @@ class _BlockDraft(DenseDraft):
             i: _CommittedCentroids(some.batch, some.kv_heads, some.head_dim, max_pages, self.sparsity.page_size,
                                    some.device) for i in self.selector.centroids}
         for layer_idx, centroids in self.selector.centroids.items():
-            centroids.commit(cache.layers[layer_idx].keys[:, :, :some.length], some.real[:, 0, :some.length])
+            centroids.extend(cache.layers[layer_idx].keys[:, :, :some.length], some.real[:, 0, :some.length])
 
 
 class _CommittedCentroids(PageCentroids):
-    def extend(self, keys: torch.Tensor, real: torch.Tensor) -> None:
-        """Ignored: the selector calls it with the draft's own slots."""
-
     def fold(self, keys: torch.Tensor, real: torch.Tensor, slots: torch.Tensor) -> None:
         """Ignored: the selector calls it with the draft's own slots."""
-
-    def commit(self, keys: torch.Tensor, real: torch.Tensor) -> None:
-        super().extend(keys, real)
 
     def commit_slots(self, keys: torch.Tensor, real: torch.Tensor, slots: torch.Tensor) -> None:
         super().fold(keys, real, slots)
