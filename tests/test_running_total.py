@@ -125,12 +125,136 @@ def test_seeds_and_splits_differ_and_repeat():
     assert not set(prompts) & {e.prompt for e in task.examples(50, seed=1)}
 
 
-@pytest.mark.parametrize("overrides, message", [({"operands": 1}, "operands must be in 2..64"),
-                                                ({"operands": 5, "min_operands": 6}, "min_operands must be in"),
-                                                ({"max_operand": 0}, "max_operand must be in")])
+@pytest.mark.parametrize("overrides, message", [
+    ({"operands": 1}, "--operands must be in 2..64, got 1"),
+    ({"operands": 65}, "--operands must be in 2..64, got 65"),
+    ({"operands": 5, "min_operands": 6}, r"--min-operands must be in 2..operands \(5\), got 6"),
+    ({"min_operands": 1}, r"--min-operands must be in 2..operands \(20\), got 1"),
+    ({"max_operand": 0}, "--max-operand must be in 1..999, got 0"),
+    ({"restate_every": -1}, r"--restate-every must be in 0..operands - 2 \(18\); 0 = never, got -1"),
+    ({"operands": 6, "min_operands": 4, "restate_every": 5}, r"--restate-every must be in 0..operands - 2 \(4\)"),
+])
 def test_bad_options_say_what_to_fix(overrides, message):
+    """The config (before any model loads) and the constructor refuse the same values with the same message, naming
+    the flag: the bounds live in one place."""
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"task": "running_total", **{k: str(v) for k, v in overrides.items()}})
+    with pytest.raises(ConfigError, match=message):
+        RunningTotalTask(**{"operands": 20, "min_operands": min(16, overrides.get("operands", 20)), **overrides})
+
+
+@pytest.mark.parametrize("options", [{"operands": 2, "min_operands": 2}, {"operands": 64, "min_operands": 64},
+                                     {"max_operand": 1}, {"max_operand": 999}, {"restate_every": 18},
+                                     {"operands": 2, "min_operands": 2, "restate_every": 0}])
+def test_the_bounds_themselves_are_accepted_by_both(options):
+    config = load_config(overrides={"task": "running_total", **{k: str(v) for k, v in options.items()}})
+    from sparserl.tasks.registry import task_from_config
+
+    assert task_from_config(config.task) == RunningTotalTask(**options)
+
+
+# Worked by hand from the numbers, not from the code: 7, 3, 9, 2, 5, 4 adds up to 10, 19, 21, 26, 30.
+HAND_NUMBERS = [7, 3, 9, 2, 5, 4]
+HAND_K2 = ("7\n"
+           "7 + 3 = 10\n"
+           "10 + 9 = 19; left: 2, 5, 4\n"
+           "19 + 2 = 21\n"
+           "21 + 5 = 26; left: 4\n"
+           "26 + 4 = 30\n"
+           "The total is 30.")
+HAND_K1 = ("7\n"
+           "7 + 3 = 10; left: 9, 2, 5, 4\n"
+           "10 + 9 = 19; left: 2, 5, 4\n"
+           "19 + 2 = 21; left: 5, 4\n"
+           "21 + 5 = 26; left: 4\n"
+           "26 + 4 = 30\n"  # nothing left to add: no restatement, even though k divides the line
+           "The total is 30.")
+HAND_K3 = ("7\n"
+           "7 + 3 = 10\n"
+           "10 + 9 = 19\n"
+           "19 + 2 = 21; left: 5, 4\n"
+           "21 + 5 = 26\n"
+           "26 + 4 = 30\n"
+           "The total is 30.")
+HAND_K4 = ("7\n7 + 3 = 10\n10 + 9 = 19\n19 + 2 = 21\n21 + 5 = 26; left: 4\n26 + 4 = 30\nThe total is 30.")
+HAND_PROMPT_K2 = "Keep a running total of these numbers; after every 2 sums, list the numbers left.\n7, 3, 9, 2, 5, 4\n"
+
+
+@pytest.mark.parametrize("k, answer", [(1, HAND_K1), (2, HAND_K2), (3, HAND_K3), (4, HAND_K4)])
+def test_restated_answers_by_hand(k, answer):
+    from sparserl.tasks.running_total import demonstration
+
+    assert demonstration(HAND_NUMBERS, restate_every=k) == answer
+
+
+def test_a_restating_task_writes_the_hand_worked_prompt_and_answer():
+    """The task's own example (not only `demonstration`): its prompt states the rule, its answer is worked by hand
+    for the numbers it drew (2, 9, 3, 8, 9, 4: totals 11, 14, 22, 31, 35), and a wrong restated list is a wrong
+    answer although every sum is right."""
+    task = RunningTotalTask(operands=6, min_operands=6, restate_every=2)
+    example = task.examples(1, seed=0)[0]
+    by_hand = ("2\n2 + 9 = 11\n11 + 3 = 14; left: 8, 9, 4\n14 + 8 = 22\n22 + 9 = 31; left: 4\n31 + 4 = 35\n"
+               "The total is 35.")
+    prompt = HAND_PROMPT_K2.replace("7, 3, 9, 2, 5, 4", "2, 9, 3, 8, 9, 4")
+    assert (example.prompt, example.demonstration, example.label) == (prompt, by_hand, "35")
+    assert task.reward([by_hand + "\n"], demonstration=[example.demonstration]) == [1.0]
+    wrong = by_hand.replace("left: 4", "left: 9")
+    assert task.reward([wrong], demonstration=[example.demonstration]) == [0.0]
+    # the first wrong line is line 4 (the first number is line 0); the total is still right
+    assert task.walk_metrics([wrong], [example.demonstration]) == {"walk_exact": 0.0, "answer_accuracy": 1.0,
+                                                                    "first_error_hop": 4}
+
+
+@pytest.mark.parametrize("low, high, largest", [(16, 20, 9), (2, 2, 1), (3, 8, 99), (64, 64, 9)])
+def test_k0_is_the_original_format_byte_for_byte(low, high, largest):
+    """restate_every = 0 must not change a byte of any prompt or answer, so that the earlier study reproduces: the
+    prompt is the documented one and the answer is the study checker's, and both equal the default task's."""
+    plain = RunningTotalTask(operands=high, min_operands=low, max_operand=largest)
+    zero = RunningTotalTask(operands=high, min_operands=low, max_operand=largest, restate_every=0)
+    for a, b in zip(plain.examples(50, seed=5, split="test"), zero.examples(50, seed=5, split="test")):
+        assert a == b
+        numbers = my_numbers(b.prompt)  # the original prompt's exact shape
+        assert my_check(numbers, b.demonstration) and ";" not in b.demonstration and "left" not in b.demonstration
+    assert plain.default_max_new_tokens == zero.default_max_new_tokens
+
+
+# The second held-out prompt (seed 0, test split, 16-20 numbers) as the earlier study recorded it, in
+# docs/results/running_total/b64/dense/seed0/samples.jsonl (step 0, eval_dense), with the model's answer that its
+# reward scored correct there, so the demonstration then was exactly this text.
+RECORDED_PROMPT = ("Add these numbers one at a time, from left to right, writing the running total after each.\n"
+                   "Numbers: 1, 1, 6, 1, 2, 2, 4, 3, 5, 2, 1, 5, 7, 5, 2, 9, 2, 7, 2")
+RECORDED_ANSWER = ("1\n1 + 1 = 2\n2 + 6 = 8\n8 + 1 = 9\n9 + 2 = 11\n11 + 2 = 13\n13 + 4 = 17\n17 + 3 = 20\n"
+                   "20 + 5 = 25\n25 + 2 = 27\n27 + 1 = 28\n28 + 5 = 33\n33 + 7 = 40\n40 + 5 = 45\n45 + 2 = 47\n"
+                   "47 + 9 = 56\n56 + 2 = 58\n58 + 7 = 65\n65 + 2 = 67\nThe total is 67.")
+
+
+def test_k0_reproduces_a_prompt_and_answer_recorded_before_the_option():
+    example = RunningTotalTask(restate_every=0).examples(2, seed=0, split="test")[1]
+    assert (example.prompt, example.demonstration, example.label) == (RECORDED_PROMPT, RECORDED_ANSWER, "67")
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_restated_answers_agree_with_arithmetic(k):
+    task = RunningTotalTask(operands=14, min_operands=10, restate_every=k)
+    for example in task.examples(100, seed=2):
+        numbers = example.extra["numbers"]
+        lines = example.demonstration.split("\n")
+        assert lines[0] == str(numbers[0]) and lines[-1] == f"The total is {sum(numbers)}."
+        for index, line in enumerate(lines[1:-1], start=1):
+            head, _, left = line.partition("; left: ")
+            assert head == f"{sum(numbers[:index])} + {numbers[index]} = {sum(numbers[:index + 1])}"
+            wants = index % k == 0 and index < len(numbers) - 1
+            assert (left != "") == wants
+            if wants:
+                assert [int(n) for n in left.split(", ")] == numbers[index + 1:]
+        assert len(example.demonstration) < task.default_max_new_tokens
+        assert example.prompt == my_prompt(k, numbers)
+
+
+def my_prompt(k: int, numbers: list[int]) -> str:
+    every = "each sum" if k == 1 else f"every {k} sums"
+    listed = ", ".join(map(str, numbers))
+    return f"Keep a running total of these numbers; after {every}, list the numbers left.\n{listed}\n"
 
 
 def _saved_tiny_model(path):

@@ -11,7 +11,7 @@ import inspect
 from typing import Any
 
 from ..errors import ConfigError
-from . import gym, math_jsonl, pointer_walk, running_total  # noqa: F401 - each registers its task
+from . import counted_progression, gym, math_jsonl, pointer_walk, running_total  # noqa: F401 - each registers its task
 from .base import TASK_OPTIONS, TASKS, Task  # noqa: F401 - TASK_OPTIONS: complete once every task is imported
 from .chat import ChatPrompts
 from .gym import GYM_PREFIX

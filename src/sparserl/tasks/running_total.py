@@ -16,6 +16,27 @@ number of the list, which only the prompt holds, so a compressed cache that drop
 n varies and is not stated, the answer must read where the list ends. With 16-20 numbers an answer is about 150-210
 tokens of SmolLM2's tokenizer (one token per digit): several times a KV budget of 64. `walk_metrics` says how far
 answers got: `walk_exact` (exact answers) and `first_error_hop` (the line of the first mistake).
+
+`restate_every` = k > 0 lets the answer carry its own state, as a reasoning trace restates what it still needs:
+every k-th addition line ends with the numbers still to add, and the prompt says so. With k = 2:
+
+    prompt   Keep a running total of these numbers; after every 2 sums, list the numbers left.
+             7, 3, 9, 2, 5
+             (a line break)
+    answer   7
+             7 + 3 = 10
+             10 + 9 = 19; left: 2, 5
+             19 + 2 = 21
+             21 + 5 = 26
+             The total is 26.
+
+(A k-th line with nothing left to add, 21 + 5 = 26 here, restates nothing.) Past the first restatement a line
+needs nothing older than k lines of the answer, so a compression that keeps recent lines can keep what each line
+needs; a larger k asks it to keep more. k = 0, the default, is the format above byte for byte, so that the
+earlier study's prompts and answers reproduce. The k > 0 prompt is shorter than k = 0's (19 tokens of instruction and
+line breaks against 24 + 13 for k = 0's with the rule added): a KV budget must hold the longest prompt, and the answer
+must be several budgets long, so every prompt token costs three answer tokens. Its closing line break marks where
+the list ends for a model that reads it without a chat template.
 """
 
 from __future__ import annotations
@@ -28,55 +49,106 @@ from ..errors import ConfigError
 from .base import Example, TaskOption, register_task
 
 INSTRUCTION = "Add these numbers one at a time, from left to right, writing the running total after each."
+RESTATE_MARK = "; left: "
+MAX_OPERANDS = 64
+MAX_OPERAND = 999
 
 
-def demonstration(numbers: list[int]) -> str:
-    """The exact answer for `numbers`: the first number, a line per addition, then the total."""
+def demonstration(numbers: list[int], restate_every: int = 0) -> str:
+    """The exact answer for `numbers`: the first number, a line per addition (every `restate_every`-th one ending
+    with the numbers still to add, when any are), then the total."""
     lines, total = [str(numbers[0])], numbers[0]
-    for number in numbers[1:]:
-        lines.append(f"{total} + {number} = {total + number}")
+    for index, number in enumerate(numbers[1:], start=1):
+        line = f"{total} + {number} = {total + number}"
+        left = numbers[index + 1:]
+        if restate_every and index % restate_every == 0 and left:
+            line += RESTATE_MARK + ", ".join(map(str, left))
+        lines.append(line)
         total += number
     return "\n".join(lines + [f"The total is {total}."])
 
 
+def prompt(numbers: list[int], restate_every: int = 0) -> str:
+    listed = ", ".join(map(str, numbers))
+    if not restate_every:
+        return f"{INSTRUCTION}\nNumbers: {listed}"
+    every = "each sum" if restate_every == 1 else f"every {restate_every} sums"
+    return f"Keep a running total of these numbers; after {every}, list the numbers left.\n{listed}\n"
+
+
+def option_problems(operands: int, min_operands: int, max_operand: int, restate_every: int) -> dict[str, str]:
+    """What is wrong with each option, by key. The one place the bounds live: the config's check (before any model
+    loads) and the constructor (code that builds the task itself) both ask it, so they cannot disagree."""
+    bounds = {"operands": (2, MAX_OPERANDS, str(MAX_OPERANDS)),
+              "min_operands": (2, operands, f"operands ({operands})"),
+              "max_operand": (1, MAX_OPERAND, str(MAX_OPERAND)),
+              # the last line with a number still to add is line operands - 2: a larger k would never restate
+              "restate_every": (0, max(operands - 2, 0), f"operands - 2 ({max(operands - 2, 0)}); 0 = never")}
+    values = {"operands": operands, "min_operands": min_operands, "max_operand": max_operand,
+              "restate_every": restate_every}
+    problems = {}
+    for key, (low, high, said) in bounds.items():
+        if not low <= values[key] <= high:
+            problems[key] = f"running_total: --{key.replace('_', '-')} must be in {low}..{said}, got {values[key]}"
+    return problems
+
+
+def _check(key: str):
+    return lambda value, config: option_problems(config.operands, config.min_operands, config.max_operand,
+                                                 config.restate_every).get(key)
+
+
 @register_task(
     "running_total",
-    TaskOption("operands", int, 20, "running_total: the most numbers a prompt lists (2..64)",
-               check=lambda v, c: None if 2 <= v <= 64 else "operands must be in 2..64"),
+    TaskOption("operands", int, 20, f"running_total: the most numbers a prompt lists (2..{MAX_OPERANDS})",
+               check=_check("operands")),
     TaskOption("min_operands", int, 16, "running_total: the fewest numbers a prompt lists (2..operands)",
-               check=lambda v, c: None if 2 <= v <= c.operands else "min_operands must be in 2..operands"),
-    TaskOption("max_operand", int, 9, "running_total: the largest number (each is drawn from 1..max_operand)",
-               check=lambda v, c: None if 1 <= v <= 999 else "max_operand must be in 1..999"))
+               check=_check("min_operands")),
+    TaskOption("max_operand", int, 9, f"running_total: the largest number (each is drawn from 1..{MAX_OPERAND})",
+               check=_check("max_operand")),
+    TaskOption("restate_every", int, 0, "running_total: every k-th line of the answer also lists the numbers still "
+               "to add (0..operands - 2; 0 = never)", check=_check("restate_every")))
 @dataclass(frozen=True)
 class RunningTotalTask:
     operands: int = 20
     min_operands: int = 16
     max_operand: int = 9
+    restate_every: int = 0
     name: str = "running_total"
 
     @classmethod
     def from_config(cls, config) -> RunningTotalTask:
-        return cls(operands=config.operands, min_operands=config.min_operands, max_operand=config.max_operand)
+        return cls(operands=config.operands, min_operands=config.min_operands, max_operand=config.max_operand,
+                   restate_every=config.restate_every)
 
     def __post_init__(self) -> None:
-        if not 2 <= self.min_operands <= self.operands:
-            raise ConfigError(f"running_total: min_operands ({self.min_operands}) must be in 2..operands "
-                              f"({self.operands})")
+        problems = option_problems(self.operands, self.min_operands, self.max_operand, self.restate_every)
+        if problems:
+            raise ConfigError(next(iter(problems.values())))
 
     @property
     def default_max_new_tokens(self) -> int:
         """Room for the longest answer in characters (no tokenizer needs more tokens than that), and a margin."""
         digits = len(str(self.operands * self.max_operand))
         per_line = 2 * digits + len(str(self.max_operand)) + 7  # "total + n = total\n"
-        return self.operands * per_line + len("The total is .") + digits + 8
+        room = self.operands * per_line + len("The total is .") + digits + 8
+        if self.restate_every:
+            # restated lines k, 2k, ... list operands - 1 - line numbers each, at most
+            listed = sum(self.operands - 1 - line for line in range(self.restate_every, self.operands - 1,
+                                                                      self.restate_every))
+            restated = len(range(self.restate_every, self.operands - 1, self.restate_every))
+            room += restated * len(RESTATE_MARK) + listed * (len(str(self.max_operand)) + 2)
+        return room
 
     def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
+        # The seed string leaves restate_every out: the same seed lists the same numbers at every k, so that
+        # settings of k can be compared prompt for prompt.
         rng = random.Random(f"running_total/{split}/{seed}/{self.min_operands}/{self.operands}/{self.max_operand}")
         out = []
         for _ in range(count):
             numbers = [rng.randint(1, self.max_operand) for _ in range(rng.randint(self.min_operands, self.operands))]
-            out.append(Example(prompt=f"{INSTRUCTION}\nNumbers: {', '.join(map(str, numbers))}",
-                               label=str(sum(numbers)), demonstration=demonstration(numbers),
+            out.append(Example(prompt=prompt(numbers, self.restate_every),
+                               label=str(sum(numbers)), demonstration=demonstration(numbers, self.restate_every),
                                extra={"numbers": numbers}))
         return out
 
@@ -87,7 +159,8 @@ class RunningTotalTask:
     def walk_metrics(self, completions: list[str], demonstrations: list[str]) -> dict[str, float]:
         """As the pointer walk's: `walk_exact` (the share of exact answers), `answer_accuracy` (the share whose
         last line states the right total, however it got there) and, over the inexact answers only,
-        `first_error_hop` (the mean index of the first line that differs from the demonstration)."""
+        `first_error_hop` (the mean index of the first line that differs from the demonstration; a restated line
+        counts whole, so a wrong list of numbers left is that line's mistake)."""
         exact, right_totals, first_errors = 0, 0, []
         for text, answer in zip(completions, demonstrations):
             written, expected = text.strip().split("\n"), answer.split("\n")

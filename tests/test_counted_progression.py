@@ -1,0 +1,95 @@
+"""The counted progression (issue 42's paper-regime task), checked against answers worked by hand and arithmetic
+of our own, and through the config, as a user selects it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sparserl.config.schema import load_config
+from sparserl.errors import ConfigError
+from sparserl.tasks.counted_progression import CountedProgressionTask, demonstration
+from sparserl.tasks.registry import task_from_config
+
+
+def test_counted_progression_answers_by_hand():
+    # 43 + 7 = 50, + 7 = 57, + 7 = 64, + 7 = 71
+    assert demonstration(43, 7, 4, count_every=2) == ("1: 43 + 7 = 50\n2/4: 50 + 7 = 57\n3: 57 + 7 = 64\n"
+                                                      "4/4: 64 + 7 = 71\nThe result is 71.")
+    assert demonstration(43, 7, 4, count_every=1) == ("1/4: 43 + 7 = 50\n2/4: 50 + 7 = 57\n3/4: 57 + 7 = 64\n"
+                                                      "4/4: 64 + 7 = 71\nThe result is 71.")
+    assert demonstration(43, 7, 4, count_every=0) == ("1: 43 + 7 = 50\n2: 50 + 7 = 57\n3: 57 + 7 = 64\n"
+                                                      "4: 64 + 7 = 71\nThe result is 71.")
+    assert demonstration(95, 9, 2, count_every=3) == "1: 95 + 9 = 104\n2: 104 + 9 = 113\nThe result is 113."
+
+
+PROGRESSION_PROMPT = re.compile(r"^Start at (\d+) and add (\d+) to it (\d+) times, one numbered line per addition\.\n$")
+
+
+@pytest.mark.parametrize("low, high, largest, k", [(12, 16, 9, 1), (16, 20, 9, 0), (1, 3, 2, 2), (5, 5, 19, 3)])
+def test_counted_progression_prompts_labels_and_answers_agree(low, high, largest, k):
+    task = CountedProgressionTask(progression_steps=high, min_progression_steps=low, max_increment=largest,
+                                  count_every=k)
+    for split in ("train", "test"):
+        for example in task.examples(40, seed=4, split=split):  # (1..3, 2): 54 held-out prompts in all
+            match = PROGRESSION_PROMPT.match(example.prompt)
+            assert match, example.prompt
+            start, step, count = map(int, match.groups())
+            assert 10 <= start <= 99 and 2 <= step <= largest and low <= count <= high
+            assert example.label == str(start + count * step)
+            lines = example.demonstration.split("\n")
+            assert len(lines) == count + 1 and lines[-1] == f"The result is {start + count * step}."
+            for i, line in enumerate(lines[:-1], start=1):
+                number = f"{i}/{count}" if k and i % k == 0 else str(i)
+                assert line == f"{number}: {start + (i - 1) * step} + {step} = {start + i * step}"
+            assert len(example.demonstration) < task.default_max_new_tokens
+            assert task.reward([example.demonstration + "\n"], demonstration=[example.demonstration]) == [1.0]
+
+
+def test_counted_progression_holds_out_distinct_prompts_it_never_trains_on():
+    task = CountedProgressionTask(progression_steps=16, min_progression_steps=12)
+    held_out = [e.prompt for e in task.examples(200, seed=0, split="test")]
+    assert len(set(held_out)) == 200
+    assert held_out[:40] == [e.prompt for e in task.examples(40, seed=0, split="test")]  # a longer list extends
+    trained = {e.prompt for seed in range(5) for e in task.examples(2000, seed=seed)}
+    assert not trained & set(held_out) and len(trained) > 2000  # the training draws cover most training prompts
+    with pytest.raises(ConfigError, match="held-out prompts asked for"):
+        task.examples(10_000, seed=0, split="test")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"progression_steps": 0}, "--progression-steps must be in 1..99, got 0"),
+    ({"progression_steps": 10, "min_progression_steps": 11}, "--min-progression-steps must be in 1..progression_st"),
+    ({"max_increment": 1}, "--max-increment must be in 2..99, got 1"),
+    ({"count_every": 17}, r"--count-every must be in 0..progression_steps \(16\)"),
+])
+def test_counted_progression_bad_options_name_the_flag(options, message):
+    """The config (before any model loads) and the constructor refuse the same values with the same message."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"task": "counted_progression", "progression_steps": "16",
+                               "min_progression_steps": "12", **{k: str(v) for k, v in options.items()}})
+    with pytest.raises(ConfigError, match=message):
+        CountedProgressionTask(**{"progression_steps": 16, "min_progression_steps": 12, **options})
+
+
+def test_the_shipped_config_builds_the_task_it_documents():
+    """configs/smollm2-counted-progression.yaml: 12-16 steps, the count on every line, no chat template, SnapKV at 64."""
+    config = load_config(str(Path(__file__).parents[1] / "configs/smollm2-counted-progression.yaml"))
+    task = task_from_config(config.task)
+    assert task == CountedProgressionTask(progression_steps=16, min_progression_steps=12, max_increment=9,
+                                          count_every=1)
+    assert (config.rollout.kv_policy, config.rollout.kv_budget, config.task.max_new_tokens) == ("snapkv", 64, 320)
+    # 43 + 7 x 14: the second worked example of the docstring's shape, restated on every line
+    example = "\n".join(f"{i}/14: {43 + 7 * (i - 1)} + 7 = {43 + 7 * i}" for i in range(1, 15)) + "\nThe result is 141."
+    assert demonstration(43, 7, 14, count_every=1) == example
+
+
+def test_counted_progression_walk_metrics_by_hand():
+    task = CountedProgressionTask(progression_steps=4, min_progression_steps=4)
+    demo = demonstration(43, 7, 4, count_every=1)
+    stopped = "1/4: 43 + 7 = 50\n2/4: 50 + 7 = 57\nThe result is 57."  # lost the count: stopped at line 2
+    ran_past = demo.replace("The result is 71.", "5/4: 71 + 7 = 78\nThe result is 78.")
+    metrics = task.walk_metrics([demo, stopped, ran_past], [demo] * 3)
+    assert metrics == {"walk_exact": 1 / 3, "answer_accuracy": 1 / 3, "first_error_hop": (2 + 4) / 2}
