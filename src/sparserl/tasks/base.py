@@ -97,6 +97,32 @@ def walk_metrics(task: Task, completions: list[str], examples: list[Example], re
     return measure(completions, [e.demonstration for e in examples for _ in range(repeat)])
 
 
+def exact_answer_rewards(completions: list[str], demonstrations: list[str]) -> list[float]:
+    """1.0 for a completion that is its demonstration (surrounding white space aside), else 0.0: the reward of the
+    tasks whose answer is one exact text (the running total, the counted progression)."""
+    return [float(text.strip() == answer) for text, answer in zip(completions, demonstrations)]
+
+
+def line_walk_metrics(completions: list[str], demonstrations: list[str]) -> dict[str, float]:
+    """How far line-by-line answers got against their demonstrations: `walk_exact` (exact answers),
+    `answer_accuracy` (the right last line, however reached) and, over the inexact answers only, `first_error_hop`
+    (the mean index of the first line that differs; a line counts whole)."""
+    exact, right_last_lines, first_errors = 0, 0, []
+    for text, answer in zip(completions, demonstrations):
+        written, expected = text.strip().split("\n"), answer.split("\n")
+        right_last_lines += written[-1].strip() == expected[-1]
+        if text.strip() == answer:
+            exact += 1
+            continue
+        first_errors.append(next((i for i, (a, b) in enumerate(zip(written, expected)) if a.strip() != b),
+                                 min(len(written), len(expected))))
+    count = max(len(completions), 1)
+    metrics = {"walk_exact": exact / count, "answer_accuracy": right_last_lines / count}
+    if first_errors:
+        metrics["first_error_hop"] = sum(first_errors) / len(first_errors)
+    return metrics
+
+
 def reward_columns(examples: list[Example], repeat: int = 1) -> dict[str, list[Any]]:
     """The keyword columns a reward function receives for these examples, each repeated `repeat`
     times in a row to line up with grouped completions: `label`, `extra`, `demonstration` when

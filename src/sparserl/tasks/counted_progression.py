@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Example, TaskOption, register_task
+from .base import Example, TaskOption, exact_answer_rewards, line_walk_metrics, register_task
 
 MAX_STEPS = 99
 TEST_SHARE = 5  # one (a, d, n) in this many is held out
@@ -128,23 +128,7 @@ class CountedProgressionTask:
                         extra={"start": a, "increment": d, "count": n}) for a, d, n in chosen]
 
     def reward(self, completions: list[str], demonstration: list[str], **kwargs: Any) -> list[float]:
-        """1.0 for a completion that is its demonstration (surrounding white space aside), else 0.0."""
-        return [float(text.strip() == answer) for text, answer in zip(completions, demonstration)]
+        return exact_answer_rewards(completions, demonstration)
 
     def walk_metrics(self, completions: list[str], demonstrations: list[str]) -> dict[str, float]:
-        """`walk_exact` (exact answers), `answer_accuracy` (the right result line, however reached) and, over the
-        inexact answers, `first_error_hop` (the mean index of the first line that differs)."""
-        exact, right, first_errors = 0, 0, []
-        for text, answer in zip(completions, demonstrations):
-            written, expected = text.strip().split("\n"), answer.split("\n")
-            right += written[-1].strip() == expected[-1]
-            if text.strip() == answer:
-                exact += 1
-                continue
-            first_errors.append(next((i for i, (a, b) in enumerate(zip(written, expected)) if a.strip() != b),
-                                     min(len(written), len(expected))))
-        count = max(len(completions), 1)
-        metrics = {"walk_exact": exact / count, "answer_accuracy": right / count}
-        if first_errors:
-            metrics["first_error_hop"] = sum(first_errors) / len(first_errors)
-        return metrics
+        return line_walk_metrics(completions, demonstrations)

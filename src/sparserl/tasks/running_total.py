@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Example, TaskOption, register_task
+from .base import Example, TaskOption, exact_answer_rewards, line_walk_metrics, register_task
 
 INSTRUCTION = "Add these numbers one at a time, from left to right, writing the running total after each."
 RESTATE_MARK = "; left: "
@@ -153,25 +153,7 @@ class RunningTotalTask:
         return out
 
     def reward(self, completions: list[str], demonstration: list[str], **kwargs: Any) -> list[float]:
-        """1.0 for a completion that is its demonstration (surrounding white space aside), else 0.0."""
-        return [float(text.strip() == answer) for text, answer in zip(completions, demonstration)]
+        return exact_answer_rewards(completions, demonstration)
 
     def walk_metrics(self, completions: list[str], demonstrations: list[str]) -> dict[str, float]:
-        """As the pointer walk's: `walk_exact` (the share of exact answers), `answer_accuracy` (the share whose
-        last line states the right total, however it got there) and, over the inexact answers only,
-        `first_error_hop` (the mean index of the first line that differs from the demonstration; a restated line
-        counts whole, so a wrong list of numbers left is that line's mistake)."""
-        exact, right_totals, first_errors = 0, 0, []
-        for text, answer in zip(completions, demonstrations):
-            written, expected = text.strip().split("\n"), answer.split("\n")
-            right_totals += written[-1].strip() == expected[-1]
-            if text.strip() == answer:
-                exact += 1
-                continue
-            first_errors.append(next((i for i, (a, b) in enumerate(zip(written, expected)) if a.strip() != b),
-                                     min(len(written), len(expected))))
-        count = max(len(completions), 1)
-        metrics = {"walk_exact": exact / count, "answer_accuracy": right_totals / count}
-        if first_errors:
-            metrics["first_error_hop"] = sum(first_errors) / len(first_errors)
-        return metrics
+        return line_walk_metrics(completions, demonstrations)
