@@ -236,6 +236,30 @@ def test_eval_both_prints_both(tiny_model_dir, tmp_path, capsys):
         assert printed[mode]["accuracy"] == result[mode]["accuracy"]
 
 
+def test_eval_writes_every_greedy_answer_and_can_skip_the_alpha_replay(tiny_model_dir, tmp_path):
+    """--answers: a line per greedy answer and inference, on the held-out prompts the task itself draws, whose
+    verdicts make the reported accuracies; --alpha false leaves α out of the sparse part (and only that)."""
+    from sparserl.tasks.pointer_walk import PointerWalkTask
+
+    out, answers_file = tmp_path / "both.json", tmp_path / "answers" / "both.jsonl"
+    argv = ["eval", "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS, "--inference", "both",
+            "--kv-budget", "8", "--kv-window", "2", "--answers", str(answers_file)]
+    assert main([*argv, "--alpha", "false"]) == 0
+    result = json.loads(out.read_text())
+    answers = [json.loads(line) for line in answers_file.read_text().splitlines()]
+    held_out = [e.prompt for e in PointerWalkTask(letters=3).examples(4, seed=0, split="test")]
+    for mode in ("dense", "sparse"):
+        mine = [a for a in answers if a["inference"] == mode]
+        assert [a["prompt"] for a in mine] == held_out
+        assert sum(a["correct"] for a in mine) / 4 == result[mode]["accuracy"]
+        assert all(isinstance(a["completion"], str) and a["label"] for a in mine)
+    assert not any(k.startswith("alpha") for k in result["sparse"])
+    assert main(argv) == 0
+    assert any(k.startswith("alpha") for k in json.loads(out.read_text())["sparse"])
+    with_alpha = [json.loads(line) for line in answers_file.read_text().splitlines()]
+    assert with_alpha == answers  # greedy answers do not depend on the replay
+
+
 def test_eval_sparse(tiny_model_dir, tmp_path):
     out = tmp_path / "sparse.json"
     argv = ["eval", "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS,

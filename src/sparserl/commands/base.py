@@ -92,12 +92,21 @@ def check_ranges(args, bounds: dict[str, tuple[float, float, str]]) -> None:
 
 
 def write_json(out: Path, result: dict) -> None:
+    _write_text(out, json.dumps(result, indent=2) + "\n", "--out", "eval.json")
+
+
+def write_jsonl(out: Path, records: list[dict], flag: str) -> None:
+    """`records` a JSON line each, in the file a command's `flag` names."""
+    _write_text(out, "".join(json.dumps(record) + "\n" for record in records), flag, "answers.jsonl")
+
+
+def _write_text(out: Path, text: str, flag: str, example_name: str) -> None:
     from ..errors import ConfigError
 
     if out.is_dir():
-        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'eval.json'}")
+        raise ConfigError(f"{flag} {out} is a directory; give a file name such as {out / example_name}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.write_text(text)
     except OSError as error:
-        raise ConfigError(f"--out {out}: cannot write there ({error.strerror}); choose a writable path") from None
+        raise ConfigError(f"{flag} {out}: cannot write there ({error.strerror}); choose a writable path") from None

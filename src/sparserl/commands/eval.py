@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..config.values import coerce
 from .base import (
     check_ranges,
     command,
@@ -12,6 +13,7 @@ from .base import (
     inference_fields,
     refuse_adaptive_schedule,
     write_json,
+    write_jsonl,
 )
 
 
@@ -22,6 +24,11 @@ def _arguments(sub) -> None:
     sub.add_argument("--inference", choices=["dense", "sparse", "both"], default=None,
                      help="dense or sparse (compressed KV) decoding, or both; default dense, or sparse when a --kv-* "
                           "flag is given")
+    sub.add_argument("--answers", metavar="FILE.jsonl", default=None,
+                     help="also write every greedy answer (inference, prompt, label, completion, correct), a line each")
+    sub.add_argument("--alpha", metavar="BOOL", type=lambda value: coerce(value, bool, "--alpha"), default=True,
+                     help="under sparse inference, replay the greedy answers through the dense model for α per "
+                          "cached-length bin (default: true; about twice the greedy pass's time on a real model)")
 
 
 @command("eval", "held-out accuracy and pass@k, dense or sparse inference", _arguments)
@@ -35,8 +42,12 @@ def _eval(args) -> int:
     config = config_for_eval(args.config, overrides)
     refuse_adaptive_schedule(config, "eval")
     inference = args.inference or ("sparse" if any(k.startswith("kv_") for k in overrides) else "dense")
-    result = run_eval(config, n=args.n, samples=args.samples, inference=inference)
+    answers: list[dict] | None = [] if args.answers else None
+    result = run_eval(config, n=args.n, samples=args.samples, inference=inference, measure_alpha=args.alpha,
+                      answers=answers)
     write_json(Path(args.out), result)
+    if answers is not None:
+        write_jsonl(Path(args.answers), answers, "--answers")
     # Every inference asked for, each with its flat figures (the file has the nested ones too).
     shown = {mode: {k: v for k, v in result[mode].items() if not isinstance(v, dict)}
              for mode in ("dense", "sparse") if mode in result}

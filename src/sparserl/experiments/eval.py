@@ -88,8 +88,10 @@ def held_out(config, n: int) -> HeldOut:
                    response_bound(config.task, task), RowLimits.from_rollout_config(config.rollout, device))
 
 
-def run_eval(config, n: int, samples: int, inference: str) -> dict:
-    """The `sparserl eval` report for `config`'s model and task; see the module docstring."""
+def run_eval(config, n: int, samples: int, inference: str, measure_alpha: bool = True,
+             answers: list[dict] | None = None) -> dict:
+    """The `sparserl eval` report for `config`'s model and task; see the module docstring. `answers`, if given,
+    gets every greedy answer, each with the inference that wrote it."""
     setup = held_out(config, n)
     model, tokenizer, task, examples, max_new_tokens = (setup.model, setup.tokenizer, setup.task, setup.examples,
                                                         setup.max_new_tokens)
@@ -99,9 +101,13 @@ def run_eval(config, n: int, samples: int, inference: str) -> dict:
     for mode in modes:
         compression = sparsity_from_config(config.rollout) if mode == "sparse" else None
         rewards = task_rewards(config, task)
+        written: list[dict] = []
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                                config.rollout.temperature, config.train.seed, progress=True,
-                               alpha_bin_size=config.rollout.alpha_bin_size, rewards=rewards, limits=setup.limits)
+                               alpha_bin_size=config.rollout.alpha_bin_size, rewards=rewards, limits=setup.limits,
+                               measure_alpha=measure_alpha, answers=written)
+        if answers is not None:
+            answers.extend({"inference": mode, **record} for record in written)
         part.update({key: rewards.counts[key] for key in ("reward_failures", "reward_timeouts")})
         report[mode] = part
     headline = report[modes[0]]

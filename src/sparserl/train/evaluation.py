@@ -79,9 +79,14 @@ def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new
                     limits=limits)
     scores = (rewards or RewardRunner.for_task(task)).score_examples(examples, done.texts, done.ids)
     if answers is not None:
-        answers.extend({"prompt": e.prompt, "label": e.label, "completion": text, "correct": is_correct(score)}
-                       for e, text, score in zip(examples, done.texts, scores))
+        answers.extend(answer_records(examples, done.texts, scores))
     return {"accuracy": accuracy(scores), **walk_metrics(task, done.texts, examples)}
+
+
+def answer_records(examples: list[Example], texts: list[str], scores: list[float]) -> list[dict]:
+    """One record per greedy answer, to read how a score was earned: prompt, label, completion, verdict."""
+    return [{"prompt": e.prompt, "label": e.label, "completion": text, "correct": is_correct(score)}
+            for e, text, score in zip(examples, texts, scores)]
 
 
 def task_rewards(config, task: Task) -> RewardRunner:
@@ -100,20 +105,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                     compression: KVCompression | BlockSparsity | None, samples: int, temperature: float, seed: int,
                     progress: bool = False, alpha_bin_size: int = 16, rewards: RewardRunner | None = None,
-                    limits: RowLimits = RowLimits()) -> dict:
+                    limits: RowLimits = RowLimits(), measure_alpha: bool = True,
+                    answers: list[dict] | None = None) -> dict:
     """Greedy accuracy (and walk metrics), pass@k from `samples` samples, the KV figures of the greedy
-    rollouts (peak bytes, rows in flight under `limits`), and under sparse inference the acceptance rate
-    α of the greedy rollouts against the dense model. `rewards` scores with the task's reward (default:
-    `RewardRunner.for_task(task)`)."""
+    rollouts (peak bytes, rows in flight under `limits`), and under sparse inference (with `measure_alpha`) the
+    acceptance rate α of the greedy rollouts against the dense model, a replay that costs about twice the greedy
+    pass on a real model. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`);
+    `answers`, if given, gets a record per greedy answer (`answer_records`)."""
     rewards = rewards or RewardRunner.for_task(task)
     kind = "dense" if compression is None else "sparse"
     label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
     greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, limits=limits,
                       progress=label("greedy"), record_distributions=compression is not None)
-    result = {"accuracy": accuracy(rewards.score_examples(examples, greedy.texts, greedy.ids)),
-              **walk_metrics(task, greedy.texts, examples), **_token_figures(greedy.batches)}
+    scores = rewards.score_examples(examples, greedy.texts, greedy.ids)
+    if answers is not None:
+        answers.extend(answer_records(examples, greedy.texts, scores))
+    result = {"accuracy": accuracy(scores), **walk_metrics(task, greedy.texts, examples),
+              **_token_figures(greedy.batches)}
     result["kv"] = {**_sparsity_settings(compression), **_kv_figures(greedy.batches)}
-    if compression is not None:
+    if compression is not None and measure_alpha:
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, limits=limits,
