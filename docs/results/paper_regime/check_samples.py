@@ -1,9 +1,9 @@
 """Every answer of counted-progression runs re-read by arithmetic, not by the task's reward.
 
-    python docs/results/paper_regime/check_samples.py RUN_DIR [RUN_DIR ...] [--count-every 1]
+    python docs/results/paper_regime/check_samples.py RUN_DIR|ANSWERS.jsonl [...] [--count-every 1]
 
-For each run's samples.jsonl (training rollouts and held-out answers), the prompt's start, step and count are read
-back from its text and each answer is checked line by line (`measure.read_progression`: the lines rebuilt from the
+For each run's samples.jsonl (training rollouts and held-out answers), or a file of `sparserl eval --answers`, the
+prompt's start, step and count are read back from its text and each answer is checked line by line (`measure.read_progression`: the lines rebuilt from the
 prompt's numbers). Prints, per run and kind of answer (train, eval_dense, eval_sparse) and step, how many answers
 the checker and the run's own `correct` agree on, and why the wrong ones first went wrong. Exits 1 on any
 disagreement, so that a reward that scores without doing the task shows here.
@@ -25,16 +25,17 @@ PROMPT = re.compile(r"Start at (\d+) and add (\d+) to it (\d+) times, one number
 
 
 def check_run(run: Path, count_every: int) -> tuple[list[str], int]:
-    """Table lines for one run and its number of disagreements."""
-    cells: dict[tuple[str, int], Counter] = defaultdict(Counter)
+    """Table lines for one run (or answers file) and its number of disagreements."""
+    cells: dict[tuple[str, int | str], Counter] = defaultdict(Counter)
     disagreements = 0
-    for line in (run / "samples.jsonl").read_text().splitlines():
+    for line in (run / "samples.jsonl" if run.is_dir() else run).read_text().splitlines():
         row = json.loads(line)
+        kind, step = row.get("kind") or f"eval_{row['inference']}", row.get("step", "-")
         match = PROMPT.search(row["prompt"])
         if match is None:
             raise SystemExit(f"{run}: a prompt that is not a counted progression: {row['prompt']!r}")
         correct, _, why = read_progression(*map(int, match.groups()), count_every, row["completion"])
-        cell = cells[(row["kind"], row["step"])]
+        cell = cells[(kind, step)]
         cell["n"] += 1
         cell["correct"] += correct
         cell[why] += not correct
@@ -42,10 +43,10 @@ def check_run(run: Path, count_every: int) -> tuple[list[str], int]:
             cell["disagree"] += 1
             disagreements += 1
     lines = []
-    for (kind, step), cell in sorted(cells.items()):
+    for (kind, step), cell in sorted(cells.items(), key=lambda item: (item[0][0], str(item[0][1]).zfill(6))):
         reasons = ", ".join(f"{why} {n}" for why, n in cell.most_common()
                             if why not in ("n", "correct", "disagree") and n)
-        lines.append(f"| {run.name} | {kind} | {step} | {cell['n']} | {cell['correct'] / cell['n']:.1%} | "
+        lines.append(f"| {run.parent.name + '/' + run.name if run.is_file() else run.name} | {kind} | {step} | {cell['n']} | {cell['correct'] / cell['n']:.1%} | "
                      f"{cell['disagree']} | {reasons or '-'} |")
     return lines, disagreements
 
