@@ -97,6 +97,19 @@ def walk_metrics(task: Task, completions: list[str], examples: list[Example], re
     return measure(completions, [e.demonstration for e in examples for _ in range(repeat)])
 
 
+def range_problems(task: str, bounds: dict[str, tuple[int, int, str, int]]) -> dict[str, str]:
+    """What is wrong with each of `task`'s integer options, by key, from (lowest, highest, how the highest is said,
+    value): the one message the config's check and the task's constructor both give."""
+    return {key: f"{task}: --{key.replace('_', '-')} must be in {low}..{said}, got {value}"
+            for key, (low, high, said, value) in bounds.items() if not low <= value <= high}
+
+
+def range_check(problems_of: Callable[[Any], dict[str, str]], key: str) -> Callable[[Any, Any], str | None]:
+    """The `TaskOption` check of option `key`: `problems_of(options)` reads the options by name, from the config
+    as from the task itself, so that the two cannot disagree."""
+    return lambda value, config: problems_of(config).get(key)
+
+
 def exact_answer_rewards(completions: list[str], demonstrations: list[str]) -> list[float]:
     """1.0 for a completion that is its demonstration (surrounding white space aside), else 0.0: the reward of the
     tasks whose answer is one exact text (the running total, the counted progression)."""

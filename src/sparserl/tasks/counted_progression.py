@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Example, TaskOption, exact_answer_rewards, line_walk_metrics, register_task
+from .base import (
+    Example,
+    TaskOption,
+    exact_answer_rewards,
+    line_walk_metrics,
+    range_check,
+    range_problems,
+    register_task,
+)
 
 MAX_STEPS = 99
 TEST_SHARE = 5  # one (a, d, n) in this many is held out
@@ -56,31 +64,26 @@ def prompt(start: int, increment: int, count: int) -> str:
     return f"Start at {start} and add {increment} to it {count} times, one numbered line per addition.\n"
 
 
-def option_problems(steps: int, min_steps: int, max_increment: int, count_every: int) -> dict[str, str]:
-    """What is wrong with each option, by key: the one place the bounds live (config check and constructor)."""
-    bounds = {"progression_steps": (1, MAX_STEPS, str(MAX_STEPS), steps),
-              "min_progression_steps": (1, steps, f"progression_steps ({steps})", min_steps),
-              "max_increment": (2, 99, "99", max_increment),
-              "count_every": (0, steps, f"progression_steps ({steps}); 0 = only in the prompt", count_every)}
-    return {key: f"counted_progression: --{key.replace('_', '-')} must be in {low}..{said}, got {value}"
-            for key, (low, high, said, value) in bounds.items() if not low <= value <= high}
-
-
-def _check(key: str):
-    return lambda value, config: option_problems(config.progression_steps, config.min_progression_steps,
-                                                 config.max_increment, config.count_every).get(key)
+def option_problems(options) -> dict[str, str]:
+    """What is wrong with each option of `options` (the config's task section or the task), by key."""
+    steps = options.progression_steps
+    return range_problems("counted_progression", {
+        "progression_steps": (1, MAX_STEPS, str(MAX_STEPS), steps),
+        "min_progression_steps": (1, steps, f"progression_steps ({steps})", options.min_progression_steps),
+        "max_increment": (2, 99, "99", options.max_increment),
+        "count_every": (0, steps, f"progression_steps ({steps}); 0 = only in the prompt", options.count_every)})
 
 
 @register_task(
     "counted_progression",
     TaskOption("progression_steps", int, 20, f"counted_progression: the largest count (1..{MAX_STEPS})",
-               check=_check("progression_steps")),
+               check=range_check(option_problems, "progression_steps")),
     TaskOption("min_progression_steps", int, 16, "counted_progression: the smallest count (1..progression_steps)",
-               check=_check("min_progression_steps")),
+               check=range_check(option_problems, "min_progression_steps")),
     TaskOption("max_increment", int, 9, "counted_progression: the largest step added (each is drawn from 2..it)",
-               check=_check("max_increment")),
+               check=range_check(option_problems, "max_increment")),
     TaskOption("count_every", int, 1, "counted_progression: every k-th line restates the count (0 = never)",
-               check=_check("count_every")))
+               check=range_check(option_problems, "count_every")))
 @dataclass(frozen=True)
 class CountedProgressionTask:
     progression_steps: int = 20
@@ -95,8 +98,7 @@ class CountedProgressionTask:
                    max_increment=config.max_increment, count_every=config.count_every)
 
     def __post_init__(self) -> None:
-        problems = option_problems(self.progression_steps, self.min_progression_steps, self.max_increment,
-                                   self.count_every)
+        problems = option_problems(self)
         if problems:
             raise ConfigError(next(iter(problems.values())))
 

@@ -46,7 +46,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .base import Example, TaskOption, exact_answer_rewards, line_walk_metrics, register_task
+from .base import (
+    Example,
+    TaskOption,
+    exact_answer_rewards,
+    line_walk_metrics,
+    range_check,
+    range_problems,
+    register_task,
+)
 
 INSTRUCTION = "Add these numbers one at a time, from left to right, writing the running total after each."
 RESTATE_MARK = "; left: "
@@ -76,38 +84,28 @@ def prompt(numbers: list[int], restate_every: int = 0) -> str:
     return f"Keep a running total of these numbers; after {every}, list the numbers left.\n{listed}\n"
 
 
-def option_problems(operands: int, min_operands: int, max_operand: int, restate_every: int) -> dict[str, str]:
-    """What is wrong with each option, by key. The one place the bounds live: the config's check (before any model
-    loads) and the constructor (code that builds the task itself) both ask it, so they cannot disagree."""
-    bounds = {"operands": (2, MAX_OPERANDS, str(MAX_OPERANDS)),
-              "min_operands": (2, operands, f"operands ({operands})"),
-              "max_operand": (1, MAX_OPERAND, str(MAX_OPERAND)),
-              # the last line with a number still to add is line operands - 2: a larger k would never restate
-              "restate_every": (0, max(operands - 2, 0), f"operands - 2 ({max(operands - 2, 0)}); 0 = never")}
-    values = {"operands": operands, "min_operands": min_operands, "max_operand": max_operand,
-              "restate_every": restate_every}
-    problems = {}
-    for key, (low, high, said) in bounds.items():
-        if not low <= values[key] <= high:
-            problems[key] = f"running_total: --{key.replace('_', '-')} must be in {low}..{said}, got {values[key]}"
-    return problems
-
-
-def _check(key: str):
-    return lambda value, config: option_problems(config.operands, config.min_operands, config.max_operand,
-                                                 config.restate_every).get(key)
+def option_problems(options) -> dict[str, str]:
+    """What is wrong with each option of `options` (the config's task section or the task), by key."""
+    operands = options.operands
+    return range_problems("running_total", {
+        "operands": (2, MAX_OPERANDS, str(MAX_OPERANDS), operands),
+        "min_operands": (2, operands, f"operands ({operands})", options.min_operands),
+        "max_operand": (1, MAX_OPERAND, str(MAX_OPERAND), options.max_operand),
+        # the last line with a number still to add is line operands - 2: a larger k would never restate
+        "restate_every": (0, max(operands - 2, 0), f"operands - 2 ({max(operands - 2, 0)}); 0 = never",
+                          options.restate_every)})
 
 
 @register_task(
     "running_total",
     TaskOption("operands", int, 20, f"running_total: the most numbers a prompt lists (2..{MAX_OPERANDS})",
-               check=_check("operands")),
+               check=range_check(option_problems, "operands")),
     TaskOption("min_operands", int, 16, "running_total: the fewest numbers a prompt lists (2..operands)",
-               check=_check("min_operands")),
+               check=range_check(option_problems, "min_operands")),
     TaskOption("max_operand", int, 9, f"running_total: the largest number (each is drawn from 1..{MAX_OPERAND})",
-               check=_check("max_operand")),
+               check=range_check(option_problems, "max_operand")),
     TaskOption("restate_every", int, 0, "running_total: every k-th line of the answer also lists the numbers still "
-               "to add (0..operands - 2; 0 = never)", check=_check("restate_every")))
+               "to add (0..operands - 2; 0 = never)", check=range_check(option_problems, "restate_every")))
 @dataclass(frozen=True)
 class RunningTotalTask:
     operands: int = 20
@@ -122,7 +120,7 @@ class RunningTotalTask:
                    restate_every=config.restate_every)
 
     def __post_init__(self) -> None:
-        problems = option_problems(self.operands, self.min_operands, self.max_operand, self.restate_every)
+        problems = option_problems(self)
         if problems:
             raise ConfigError(next(iter(problems.values())))
 
