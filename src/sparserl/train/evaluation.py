@@ -116,7 +116,7 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
     kind = "dense" if compression is None else "sparse"
     label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
     greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, limits=limits,
-                      progress=label("greedy"), record_distributions=compression is not None)
+                      progress=label("greedy"), record_distributions=compression is not None and measure_alpha)
     scores = rewards.score_examples(examples, greedy.texts, greedy.ids)
     if answers is not None:
         answers.extend(answer_records(examples, greedy.texts, scores))
