@@ -12,20 +12,23 @@ B = L/8, Δ = L/64, window 8. Cells (L × rows): 4096 × 64, 4096 × 512, 8192 �
 - per cell: ms per decode step after the first compression (CUDA-synchronised wall clock between steps), tokens/s,
   the floor (weights + the KV the step reads, at the card's bandwidth), the ratio to dense's tokens/s, the host
   launches per step (CUDA runtime calls: kernel and graph launches, copies) and host reads per step (operators that
-  wait for the device: item, nonzero, ...), both over 8 steps between compressions, and the share of the decode in
-  compressions;
+  wait for the device: item, nonzero, ...), both over 8 steps between compressions, the GPU kernels a step runs
+  and their summed time (CUDA, from the profiler: a step replayed as one graph still runs every kernel in it), and
+  the share of the rollout's time in compressions (the first, of the prompt, included);
 
 then the equal-memory cell (R-KV rows in dense-512's KV bytes at 4k), HF `generate` (sdpa, DynamicCache) as the
 peer at 4096 × 64, and the dense-vs-dense ξ baseline: the dense sampler's recorded log-probs against the learner's
 forward of the same tokens, in bf16 and in float32 (in bf16, numerics alone move ξ). `--small` runs the same code on
 a 2-layer model with short contexts (a CPU dry run, not a measurement). Each record is one JSON line in `--out`; a
-Markdown table is printed at the end. Cells past `--deadline` seconds are skipped and said so.
+Markdown table is printed at the end. Cells past `--deadline` seconds are skipped and said so; `--only REGEX` runs
+the cells whose name matches (names as "rkv 4096x512", "equal memory", "hf generate", "xi torch.float32").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 import traceback
 from pathlib import Path
@@ -116,7 +119,8 @@ class Bench:
         first_timed = interval + 1  # the steps after the first compression
         window = (first_timed + 1, first_timed + 9)  # 8 steps between compressions, for the counts
         counts = HostReads()
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if self.cuda else None
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        profiler = torch.profiler.profile(activities=activities) if self.cuda else None
 
         def on_step(_):
             self.sync()
@@ -137,14 +141,21 @@ class Bench:
         started = time.perf_counter()
         batch = sampler.generate([prompt] * rows, sampling, seeds=seeds, on_step=on_step)
         self.sync()
+        rollout_s = time.perf_counter() - started
         record = {"what": "cell", "method": method, "L": length, "rows": rows, "prompt": prompt_len,
-                  "budget": budget, "interval": interval, "new": new, "cell_s": time.perf_counter() - started}
+                  "budget": budget, "interval": interval, "new": new, "cell_s": rollout_s}
         measured = len(stamps) - window[1] if window[1] < len(stamps) else 0
         record["host_reads_per_step"] = counts.reads / 8
         record["aten_ops_per_step"] = counts.ops / 8
         if profiler is not None and measured:
-            launches = sum(event.count for event in profiler.key_averages() if event.key in LAUNCHES)
-            record["launches_per_step"] = launches / 8
+            events = profiler.key_averages()
+            record["launches_per_step"] = sum(event.count for event in events if event.key in LAUNCHES) / 8
+            kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+            record["gpu_kernels_per_step"] = sum(event.count for event in kernels) / 8
+            record["gpu_kernel_ms_per_step"] = sum(event.self_device_time_total for event in kernels) / 8 / 1e3
+            heaviest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:8]
+            record["heaviest_kernels"] = [(event.key[:80], event.count / 8, event.self_device_time_total / 8 / 1e3)
+                                          for event in heaviest]  # (name, per step, ms per step)
         if method.startswith("spec"):
             stats = batch.speculation
             rounds = len(stamps)
@@ -159,7 +170,7 @@ class Bench:
             context = prompt_len + new if method in ("dense", "block") else budget + interval / 2
             read = budget if method == "block" else context  # block attention reads its pages only
             record["floor_step_ms"] = (self.weight_bytes + rows * read * self.kv_per_token) / self.bandwidth * 1e3
-            record["compress_frac"] = batch.kv.compress_seconds / max(record["decode_s"], 1e-9)
+            record["compress_frac"] = batch.kv.compress_seconds / rollout_s
         record["tok_s"] = record["tokens"] / record["decode_s"]
         record["kv_peak_gib"] = batch.kv.kv_peak_bytes / 2**30
         if self.cuda:
@@ -170,6 +181,8 @@ class Bench:
         return record
 
     def guarded(self, what: str, run) -> None:
+        if self.args.only and not re.search(self.args.only, what):
+            return
         if self.late():
             self.emit({"what": "skipped", "which": what})
             return
@@ -212,7 +225,8 @@ class Bench:
             prompts, sampling, seeds=[request_seed(11, r) for r in range(rows)])
         old = batched_logprobs(model, batch.input_ids, batch.attention_mask, prompt_len, 16, 1.0)
         xi = (old.double() - batch.sampler_logprobs.double()).exp()[batch.response_mask.bool()]
-        quantiles = torch.quantile(xi, torch.tensor([0.001, 0.01, 0.5, 0.99, 0.999], dtype=torch.float64))
+        quantiles = torch.quantile(xi, torch.tensor([0.001, 0.01, 0.5, 0.99, 0.999], dtype=torch.float64,
+                                                    device=xi.device))
         if model is not self.model:
             self.model.to(self.dtype)
         return {"what": "xi-baseline", "dtype": str(dtype), "tokens": int(xi.numel()),
@@ -245,14 +259,15 @@ def table(records: list[dict]) -> str:
     """The cells as Markdown: per L × rows, each method's step ms, floor, tokens/s and its ratio to dense's."""
     cells = [r for r in records if r.get("what") in ("cell", "equal-memory")]
     dense = {(r["L"], r["rows"]): r["tok_s"] for r in cells if r["method"] == "dense"}
-    lines = ["| L × rows | method | step ms | floor ms | tok/s | × dense | launches/step | host reads/step | "
-             "compress share | acceptance |", "|" + "---|" * 10]
+    lines = ["| L × rows | method | step ms | floor ms | tok/s | × dense | launches/step | GPU kernels/step | "
+             "kernel ms/step | host reads/step | compress share | acceptance |", "|" + "---|" * 12]
     for r in cells:
         base = dense.get((r["L"], r.get("dense_rows", r["rows"])))
         lines.append(
             f"| {r['L']} × {r['rows']}{' (equal memory)' if r['what'] == 'equal-memory' else ''} | {r['method']} | "
             f"{r['step_ms']:.2f} | {r.get('floor_step_ms', float('nan')):.2f} | {r['tok_s']:.0f} | "
             f"{r['tok_s'] / base if base else float('nan'):.2f} | {r.get('launches_per_step', float('nan')):.1f} | "
+            f"{r.get('gpu_kernels_per_step', float('nan')):.0f} | {r.get('gpu_kernel_ms_per_step', float('nan')):.2f} | "
             f"{r.get('host_reads_per_step', float('nan')):.2f} | {r.get('compress_frac', float('nan')):.1%} | "
             f"{r.get('acceptance', float('nan')):.2f} |")
     for r in records:
@@ -270,6 +285,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 2-layer model and short contexts: a dry run")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds after which cells are skipped")
     parser.add_argument("--compile-decode", default="auto", choices=("auto", "true", "false"))
+    parser.add_argument("--only", default="", help="a regular expression: run only the cells whose name matches")
     Bench(parser.parse_args()).run()
 
 

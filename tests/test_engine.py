@@ -218,6 +218,101 @@ def test_rkv_incremental_redundancy_equals_recomputing_it(tiny, per_head):
     assert CheckedRKV.checked > 20
 
 
+def _regrouped_stacks(monkeypatch):
+    """Cut each compression's layers into stacks of 1, 2, then all layers in turn, so that the stacks change
+    between the compressions of one rollout (as they do when their size crosses `SCORED_KEY_BYTES`)."""
+    from sparserl.rollout.sparsity import eviction
+
+    sizes = iter([1, 2, 10**6] * 1000)
+
+    def regrouped(layers, bytes_per_layer):
+        size = next(sizes)
+        return [layers[start:start + size] for start in range(0, len(layers), size)]
+
+    monkeypatch.setattr(eviction, "scored_stacks", regrouped)
+
+
+def test_the_scored_stacks_hold_at_most_their_bytes_and_one_layer_at_least():
+    from sparserl.rollout.sparsity.eviction import SCORED_KEY_BYTES, scored_stacks
+
+    # 28 layers x 512 rows x 4,096 slots x 2 heads x 128 dims in float32: 2 GiB a layer, one layer a stack
+    assert scored_stacks(list(range(28)), 512 * 4096 * 2 * 128 * 4) == [[layer] for layer in range(28)]
+    assert scored_stacks([3, 5, 7], SCORED_KEY_BYTES + 1) == [[3], [5], [7]]
+    quarter = SCORED_KEY_BYTES // 4
+    assert scored_stacks(list(range(10)), quarter) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert scored_stacks(list(range(30)), 1000) == [list(range(30))]
+
+
+def test_rkv_row_sums_stay_exact_when_the_stacks_change(tiny, monkeypatch):
+    """R-KV's sums are kept per stack of layers; when a compression stacks the layers differently, the sums of
+    an older stack are out of date and must not be reused: recomputed from scratch, the redundancy agrees."""
+    from sparserl.rollout.sparsity.policies import RKV
+
+    checked = []
+
+    class CheckedRKV(RKV):
+        def score(self, inputs):
+            scores = super().score(inputs)
+            real, _ = inputs.per_kv_head()
+            kept_up = self._distribution(self._row_sums[inputs.layers], real)
+            assert torch.allclose(kept_up, self.redundancy(inputs.keys, real), atol=1e-6)
+            checked.append(inputs.layers)
+            return scores
+
+    _regrouped_stacks(monkeypatch)
+    model, tokenizer = tiny
+    engine = RolloutEngine(model, KVCompression("rkv", budget=10, window=3, interval=3))
+    engine.policy = CheckedRKV(similarity_threshold=0.2)
+    engine.generate(_prompts(tokenizer), SamplingConfig(40, 1.0, eos_token_id=None), torch.Generator().manual_seed(0))
+    assert len(set(checked)) == 3 and len(checked) > 12  # (0,), (1,) and (0, 1), each again after the others
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_how_the_layers_are_stacked_for_scoring_changes_no_rollout(tiny, policy, monkeypatch):
+    """Scoring the layers one stack at a time or in stacks that change between compressions keeps the same
+    slots, so the same tokens and log-probs, as scoring them all together."""
+    model, tokenizer = tiny
+    compression = KVCompression(policy, budget=10, window=3, interval=3)
+    together = _sample(model, tokenizer, compression, max_new=30, eos=False)
+    _regrouped_stacks(monkeypatch)
+    regrouped = _sample(model, tokenizer, compression, max_new=30, eos=False)
+    assert together.evictions and torch.equal(together.response_ids, regrouped.response_ids)
+    assert torch.allclose(together.sampler_logprobs, regrouped.sampler_logprobs, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_after_a_compression_the_buffers_shrink_to_the_budget_plus_an_interval(tiny, policy, monkeypatch):
+    """A prompt longer than the budget fills the buffers past it; once compressed, a layer's buffers hold
+    B + Δ + 1 slots (what its rows fill before the next compression), and the rollout is the one sampled over
+    the uncut buffers."""
+    from sparserl.rollout.cache import BufferCache
+
+    model, tokenizer = tiny
+    prompts = [list(range(5, 29)), list(range(7, 31))]  # 24 tokens each, the budget 10
+    compression = KVCompression(policy, budget=10, window=3, interval=3)
+    monkeypatch.setattr(BufferCache, "shrink", lambda self, slots: False)
+    uncut = _sample(model, tokenizer, compression, max_new=20, eos=False, prompts=prompts)
+    monkeypatch.undo()
+    capacities = []
+    original = BufferCache.shrink
+
+    def recorded(self, slots):
+        moved = original(self, slots)
+        capacities.append(({layer.capacity for layer in self.layers}, {layer.length for layer in self.layers}))
+        return moved
+
+    monkeypatch.setattr(BufferCache, "shrink", recorded)
+    cut = _sample(model, tokenizer, compression, max_new=20, eos=False, prompts=prompts)
+    layers = len(model.model.layers)
+    budgets = {POLICIES[policy](window=3).layer_budget(10, i, layers) for i in range(layers)} \
+        if policy == "pyramidkv" else {10}
+    assert capacities and all(lengths <= budgets for _, lengths in capacities)
+    assert all(held == {length + 4 for length in lengths} for held, lengths in capacities)
+    assert torch.equal(uncut.response_ids, cut.response_ids)
+    assert torch.allclose(uncut.sampler_logprobs, cut.sampler_logprobs, atol=1e-6)
+    assert uncut.kv.kv_peak_bytes == cut.kv.kv_peak_bytes  # the prompt's prefill is the peak either way
+
+
 @pytest.mark.parametrize("policy", ["rkv", "streamingllm"])
 def test_acceptance_rate_of_a_recorded_rollout(tiny, policy):
     """A budget past every length makes the sampler the dense policy (α = 1 at every token); a small

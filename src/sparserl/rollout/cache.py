@@ -4,8 +4,10 @@ Each full-attention layer holds its keys and values in buffers `[N, Hkv, capacit
 also records the column it came from (its index in the left-padded prompt+response layout) and
 whether it holds a real token; that is all the mask needs, since a slot is visible to every later
 query. A compression (`sparsity/eviction.py` picks the slots, `BufferLayer.keep` moves them) gathers the w
-most recent real slots plus the B - w best-scored others to the front of the buffer, so the buffer never grows
-past max(prompt, B) + interval.
+most recent real slots plus the B - w best-scored others to the front of the buffer; the buffers then shrink to
+B + interval + 1 (`BufferCache.shrink`), since a decode step attends over its whole buffer: a 4,096-token prompt
+compressed to 512 would otherwise cost every later step what a dense one costs (measured on an H200,
+docs/benchmarks.md).
 
 With no compression policy the same class is the dense cache: one code path for both, which is
 what makes a sparse rollout with a huge budget bitwise the dense one. Block-sparse attention reads
@@ -159,6 +161,17 @@ class BufferLayer(CacheLayerMixin):
         self.real = _grow(self.real, grow, 2)
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
+    def shrink(self, needed: int) -> None:
+        """Cut the buffers to `needed` slots per row (whole pages) if they hold more; `needed` covers the longest
+        row. A copy, so that the memory past it is freed."""
+        capacity = min(self.max_capacity, -(-needed // self.page_size) * self.page_size)
+        if capacity >= self.capacity:
+            return
+        if capacity < self.length:
+            raise RuntimeError(f"KV buffer shrink to {capacity} slots would cut rows holding {self.length}")
+        self.keys, self.values, self.columns, self.real = (
+            tensor[:, :, :capacity].clone() for tensor in (self.keys, self.values, self.columns, self.real))
+
     def attention_mask(self) -> torch.Tensor:
         """Bool: what the incoming tokens' queries see, in the static step (`static_visible`) or in a prefill
         (`visible`)."""
@@ -300,6 +313,16 @@ class BufferCache(Cache):
             capacity = layer.capacity
             layer.reserve(layer.length + slots)
             moved |= layer.capacity != capacity
+        return moved
+
+    def shrink(self, slots: int) -> bool:
+        """Cut every compressed layer's buffers to its longest row plus `slots`; whether any buffer moved."""
+        moved = False
+        for layer in self.layers:
+            if not layer.is_sliding:
+                capacity = layer.capacity
+                layer.shrink(layer.length + slots)
+                moved |= layer.capacity != capacity
         return moved
 
     def advance(self, tokens: int = 1) -> None:

@@ -242,12 +242,17 @@ class DecodeLoop:
 
     def _decode(self, step: int) -> None:
         """Compress the cohorts due, then run the static step: each row feeds its token and draws the next."""
+        moved = False
         if self.comp is not None:
             for first, cohort in zip(self._firsts(), self.cohorts):
                 due = cohort.since_compression >= self.comp.interval
                 if due and self._compress(cohort, first, step - cohort.start):
                     cohort.since_compression = 0
-        if self.cache.reserve(1):
+                    # The slots past the budget are free: a step attends over its whole buffer, so cut it to what
+                    # the rows fill before their next compression.
+                    moved |= self.cache.shrink(self.comp.interval + 1)
+        grown = self.cache.reserve(1)
+        if moved or grown:
             self.provider.fit_capacity()
         if self.selector is not None:
             self.selector.begin_step(self.width + step, self.width + step + 1)

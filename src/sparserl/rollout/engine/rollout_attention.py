@@ -62,12 +62,12 @@ class RolloutAttention:
         return [*self.queries.values(), *window, *self.mass.values(), *selector]
 
     def fit_capacity(self) -> None:
-        """Widen the attention masses to their layers' buffers (after a buffer grew or rows joined)."""
-        self.mass = {layer: self._widened(mass, layer) for layer, mass in self.mass.items()}
+        """Fit the attention masses to their layers' buffers (after a buffer grew or shrank, or rows joined)."""
+        self.mass = {layer: self._fitted(mass, layer) for layer, mass in self.mass.items()}
 
-    def _widened(self, mass: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def _fitted(self, mass: torch.Tensor, layer_idx: int) -> torch.Tensor:
         extra = self.cache.layers[layer_idx].capacity - mass.shape[2]
-        return F.pad(mass, (0, extra)) if extra else mass
+        return F.pad(mass, (0, extra)) if extra else mass  # a negative pad cuts: the slots past a shrink are free
 
     # --- the mask provider ---------------------------------------------------------------------------
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
@@ -120,7 +120,7 @@ class RolloutAttention:
         self.queries = {layer: torch.cat([q, other.queries[layer]]) for layer, q in self.queries.items()}
         if self.window_real is not None:
             self.window_real = torch.cat([self.window_real, other.window_real])
-        self.mass = {layer: torch.cat([self._widened(m, layer), self._widened(other.mass[layer], layer)])
+        self.mass = {layer: torch.cat([self._fitted(m, layer), self._fitted(other.mass[layer], layer)])
                      for layer, m in self.mass.items()}
 
     def after_keep(self, layer_idx: int, slots: torch.Tensor, first_row: int) -> None:

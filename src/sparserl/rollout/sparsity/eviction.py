@@ -5,8 +5,10 @@ recent real tokens plus the B - w best-scored others (`policies.select_slots` on
 and moves them to the front of its buffers (`BufferLayer.keep`); the slots past B are free again. Sliding-window
 layers are never compressed. The layers that hold the same number of slots and keep the same budget (all of them,
 but under PyramidKV's per-layer budgets) are scored and selected as one batch, their rows stacked: one pass of the
-policy's operations for all of them, not one per layer. The engine's decode loop decides when
-(`engine/decode_loop.py`); this decides what.
+policy's operations for all of them, not one per layer, up to `SCORED_KEY_BYTES` of float32 keys a pass: past
+that, the pass's copies (keys, logits, R-KV's unit keys) would outgrow the cache itself, and a pass that large
+gains nothing more from batching. The engine's decode loop decides when (`engine/decode_loop.py`); this decides
+what.
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ from .policies import (
     policy_options,
     select_slots,
 )
+
+
+# A stack of 28 layers × 512 rows × 4,096 slots × 2 KV heads × 128 dims is 60 GB in float32: it ran out of memory
+# on a 141 GB GPU (docs/benchmarks.md, "On a GPU"). One layer of it is 2 GiB, still thousands of slots per kernel.
+SCORED_KEY_BYTES = 2 << 30
+
+
+def scored_stacks(layers: list[int], bytes_per_layer: int) -> list[list[int]]:
+    """`layers` (sharing a length and budget) in consecutive stacks of at most `SCORED_KEY_BYTES` of float32
+    keys each, one layer at least. Always the same stacks for the same layers and size, so that a policy's state
+    kept per stack (R-KV's row sums) finds its stack at the next compression."""
+    per_stack = max(1, SCORED_KEY_BYTES // max(bytes_per_layer, 1))
+    return [layers[start:start + per_stack] for start in range(0, len(layers), per_stack)]
 
 
 @dataclass(frozen=True)
@@ -73,7 +88,12 @@ def compress_rows(policy: KVPolicy, window: int, cache: BufferCache, attention, 
         if not layer.is_sliding and length > budget:
             groups[(length, budget)].append(layer_idx)
     compressed = []
+    stacks = []
     for (length, budget), layers in groups.items():
+        keys = cache.layers[layers[0]].keys
+        bytes_per_layer = count * keys.shape[1] * length * keys.shape[-1] * 4
+        stacks += [(length, budget, stack) for stack in scored_stacks(layers, bytes_per_layer)]
+    for length, budget, layers in stacks:
         def stacked(part) -> torch.Tensor:
             return torch.cat([part(layer_idx) for layer_idx in layers]) if len(layers) > 1 else part(layers[0])
 

@@ -119,6 +119,10 @@ class RKV(KVPolicy):
         self._row_sums[inputs.layers] = (sums - removed).gather(2, slots)
 
     def _update_row_sums(self, layers: tuple[int, ...], unit: torch.Tensor) -> torch.Tensor:
+        # A layer's sums live in the one stack that last scored it: when the stacks change (they are cut by size,
+        # `eviction.scored_stacks`), an older stack holding any of these layers is out of date.
+        for stale in [other for other in self._row_sums if other != layers and not set(other).isdisjoint(layers)]:
+            del self._row_sums[stale]
         previous = self._row_sums.get(layers)
         old = 0 if previous is None else previous.shape[2]
         sums = torch.empty(unit.shape[:3], dtype=unit.dtype, device=unit.device)
