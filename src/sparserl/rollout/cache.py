@@ -152,8 +152,7 @@ class BufferLayer(CacheLayerMixin):
             return
         if needed > self.max_capacity:
             raise RuntimeError(f"KV buffer overflow: {needed} slots > capacity {self.max_capacity}")
-        wanted = max(needed, self.capacity + self.growth)
-        new_capacity = min(self.max_capacity, -(-wanted // self.page_size) * self.page_size)
+        new_capacity = self._whole_pages(max(needed, self.capacity + self.growth))
         grow = new_capacity - self.capacity
         self.keys = _grow(self.keys, grow, 2)
         self.values = _grow(self.values, grow, 2)
@@ -164,13 +163,17 @@ class BufferLayer(CacheLayerMixin):
     def shrink(self, needed: int) -> None:
         """Cut the buffers to `needed` slots per row (whole pages) if they hold more; `needed` covers the longest
         row. A copy, so that the memory past it is freed."""
-        capacity = min(self.max_capacity, -(-needed // self.page_size) * self.page_size)
+        capacity = self._whole_pages(needed)
         if capacity >= self.capacity:
             return
         if capacity < self.length:
             raise RuntimeError(f"KV buffer shrink to {capacity} slots would cut rows holding {self.length}")
         self.keys, self.values, self.columns, self.real = (
             tensor[:, :, :capacity].clone() for tensor in (self.keys, self.values, self.columns, self.real))
+
+    def _whole_pages(self, slots: int) -> int:
+        """`slots` rounded up to whole pages, at most the maximum capacity."""
+        return min(self.max_capacity, -(-slots // self.page_size) * self.page_size)
 
     def attention_mask(self) -> torch.Tensor:
         """Bool: what the incoming tokens' queries see, in the static step (`static_visible`) or in a prefill
