@@ -93,3 +93,25 @@ def test_counted_progression_walk_metrics_by_hand():
     ran_past = demo.replace("The result is 71.", "5/4: 71 + 7 = 78\nThe result is 78.")
     metrics = task.walk_metrics([demo, stopped, ran_past], [demo] * 3)
     assert metrics == {"walk_exact": 1 / 3, "answer_accuracy": 1 / 3, "first_error_hop": (2 + 4) / 2}
+
+
+def test_line_prefix_credit_by_hand_and_through_the_reward_runner():
+    from sparserl.rewards.runner import RewardRunner
+    from sparserl.tasks.base import line_prefix_credit
+
+    demo = demonstration(43, 7, 4, count_every=1)  # 5 lines; the answer's end is a 6th
+    wrong_sum = demo.replace("57 + 7 = 64", "57 + 7 = 65")  # line 3 wrong: 2 right before it
+    truncated = "1/4: 43 + 7 = 50\n2/4: 50 + 7 = 57\n3/4: 57 + 7 = 6"  # cut inside line 3
+    ran_past = demo + "\n5/4: 71 + 7 = 78"  # every line right, then one more: only the end is wrong
+    off_at_once = "Start at 43"
+    completions = [f"  {demo}\n", wrong_sum, truncated, ran_past, off_at_once, ""]
+    expected = [1.0, 2 / 6, 2 / 6, 5 / 6, 0.0, 0.0]
+    assert line_prefix_credit(completions, demonstration=[demo] * 6) == pytest.approx(expected)
+
+    task = CountedProgressionTask(progression_steps=4, min_progression_steps=4)
+    runner = RewardRunner.from_spec("task,sparserl.tasks.base:line_prefix_credit", "1,0.5", task.reward)
+    examples = task.examples(1, seed=0)
+    answer = examples[0].demonstration
+    first_line_wrong = "1/4: 0 + 0 = 0\n" + answer.split("\n", 1)[1]
+    scores = runner.score_examples(examples * 2, [answer, first_line_wrong], [[1], [1]])
+    assert scores == pytest.approx([1.0 + 0.5, 0.0])

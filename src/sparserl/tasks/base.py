@@ -116,19 +116,37 @@ def exact_answer_rewards(completions: list[str], demonstrations: list[str]) -> l
     return [float(text.strip() == answer) for text, answer in zip(completions, demonstrations)]
 
 
+def first_wrong_line(text: str, answer: str) -> int:
+    """The index of the first line of `text` that differs from `answer`'s (a line counts whole, white space at its
+    ends aside); where one is a prefix of the other, the shorter one's length."""
+    written, expected = text.strip().split("\n"), answer.split("\n")
+    return next((i for i, (a, b) in enumerate(zip(written, expected)) if a.strip() != b),
+                min(len(written), len(expected)))
+
+
+def line_prefix_credit(completions: list[str], demonstration: list[str], **kwargs: Any) -> list[float]:
+    """A reward function (TRL's keywords) for line-by-line tasks: the share of the answer's lines written right
+    before the first wrong one, the answer's end counting as one more line, so that only the exact answer scores
+    1. It gives a group whose answers are all wrong an advantage still (the one that went further wrong later),
+    where the exact-answer reward gives none: `--reward-funcs task,sparserl.tasks.base:line_prefix_credit`."""
+    scores = []
+    for text, answer in zip(completions, demonstration):
+        lines = answer.count("\n") + 1
+        scores.append(1.0 if text.strip() == answer else min(first_wrong_line(text, answer), lines) / (lines + 1))
+    return scores
+
+
 def line_walk_metrics(completions: list[str], demonstrations: list[str]) -> dict[str, float]:
     """How far line-by-line answers got against their demonstrations: `walk_exact` (exact answers),
     `answer_accuracy` (the right last line, however reached) and, over the inexact answers only, `first_error_hop`
     (the mean index of the first line that differs; a line counts whole)."""
     exact, right_last_lines, first_errors = 0, 0, []
     for text, answer in zip(completions, demonstrations):
-        written, expected = text.strip().split("\n"), answer.split("\n")
-        right_last_lines += written[-1].strip() == expected[-1]
+        right_last_lines += text.strip().split("\n")[-1].strip() == answer.split("\n")[-1]
         if text.strip() == answer:
             exact += 1
             continue
-        first_errors.append(next((i for i, (a, b) in enumerate(zip(written, expected)) if a.strip() != b),
-                                 min(len(written), len(expected))))
+        first_errors.append(first_wrong_line(text, answer))
     count = max(len(completions), 1)
     metrics = {"walk_exact": exact / count, "answer_accuracy": right_last_lines / count}
     if first_errors:
