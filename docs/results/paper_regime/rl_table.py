@@ -2,12 +2,14 @@
 
     python docs/results/paper_regime/rl_table.py [--at STEP] [RECORDS_DIR]
 
-Per run (a folder with metrics.jsonl and eval_step<STEP>.json from `sparserl eval --inference both`; without
---at, each run's last step): held-out greedy accuracy under dense and SnapKV inference at step 0 and at STEP, the
-batch reward over the first and last seven steps, how many steps took an optimizer step, the training wall time,
-and the regime of the rollouts: the share of sequences Sparse-RL's band or veto touched (sparse-rl only), ξ's 1%
-quantile and the α tail (means over steps), and peak KV saved against the dense run of the same seed at the same
-steps (the prompts of a step depend on the seed, not the policy). Step 0 is the same for every mode of a seed (the
+Per run (a folder with metrics.jsonl and eval_step<STEP>.json from `sparserl eval --inference both`; without --at,
+each run's last step): held-out greedy accuracy under dense and SnapKV inference at step 0 and at STEP, the batch
+accuracy (the exact-answer reward) over the first and last seven steps, how many steps took an optimizer step, the
+training wall time, and the regime of the rollouts: the share of sequences Sparse-RL's band or veto touched
+(sparse-rl only), ξ's 1% quantile and the α tail (means over steps), and peak KV saved against the dense run of the
+same setting and seed at the same steps (the prompts of a step depend on the seed and the batch, not the policy:
+`sparse-rl-b32_s0` is compared with `dense-b32_s0`). Then per setting, over its seeds: the held-out accuracies at
+STEP as mean [min-max], and the share of the dense setting's mean. Step 0 is the same for every mode of a seed (the
 warm start, greedy, on the seed's 200 held-out prompts): it is read from the seed's first dense attempt, which
 evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`).
 """
@@ -31,6 +33,50 @@ def shown(value: float | None, form: str) -> str:
     return "—" if value is None else format(value, form)
 
 
+def mode_of(run: Path) -> str:
+    return next(line.split(":", 1)[1].strip() for line in (run / "config.yaml").read_text().splitlines()
+                if line.strip().startswith("mode:"))
+
+
+def setting_of(run: Path) -> str:
+    """The run's name without its seed: `sparse-rl-b32_s0` -> `sparse-rl-b32`."""
+    return run.name.rsplit("_s", 1)[0]
+
+
+def final_accuracies(run: Path, at: int | None) -> tuple[int, float, float] | None:
+    """The step read (`at`, default the run's last) and the held-out greedy accuracy there under dense and SnapKV
+    inference."""
+    last = at or max(r["step"] for r in records(run / "metrics.jsonl"))
+    evaluation = run / f"eval_step{last}.json"
+    if not evaluation.exists():
+        return None
+    end = json.loads(evaluation.read_text())
+    return last, end["dense"]["accuracy"], end["sparse"]["accuracy"]
+
+
+def spread(values: list[float]) -> str:
+    return f"{mean(values):.1%} [{min(values):.1%}-{max(values):.1%}]"
+
+
+def summary(runs: list[Path], at: int | None) -> list[str]:
+    """Per setting and step read, over its seeds: held-out accuracy under dense and SnapKV inference, and its share
+    of the dense setting's at the same step."""
+    by_setting: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for run in runs:
+        found = final_accuracies(run, at)
+        if found:
+            by_setting.setdefault((setting_of(run), found[0]), []).append(found[1:])
+    lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's |",
+             "|---|---|---|---|---|---|"]
+    for (setting, step), found in sorted(by_setting.items()):
+        mode = mode_of(next(r for r in runs if setting_of(r) == setting))
+        baseline = by_setting.get(("dense" + setting[len(mode):], step))
+        share = f"{mean([d for d, _ in found]) / mean([d for d, _ in baseline]):.0%}" if baseline else "—"
+        lines.append(f"| {setting} | {step} | {len(found)} | {spread([d for d, _ in found])} | "
+                     f"{spread([s for _, s in found])} | {share} |")
+    return lines
+
+
 def row(root: Path, run: Path, at: int | None) -> str | None:
     seed = run.name.rsplit("_s", 1)[1]
     steps = [r for r in records(run / "metrics.jsonl") if r["step"] > 0]
@@ -41,14 +87,15 @@ def row(root: Path, run: Path, at: int | None) -> str | None:
     steps = [r for r in steps if r["step"] <= last]
     start = next(r for r in records(root / f"first_attempt_kl1e-4/dense_s{seed}/metrics.jsonl") if r["step"] == 0)
     end = json.loads(evaluation.read_text())
-    dense_peaks = {r["step"]: r["kv_peak_bytes"] for r in records(root / f"dense_s{seed}/metrics.jsonl")
-                   if r["step"] > 0}
+    dense_run = root / f"dense{setting_of(run)[len(mode_of(run)):]}_s{seed}/metrics.jsonl"
+    dense_peaks = {r["step"]: r["kv_peak_bytes"] for r in records(dense_run) if r["step"] > 0} \
+        if dense_run.exists() else {}
     sparse = [r for r in steps if "alpha_tail" in r]  # rollouts of a compressed cache
     saved = mean([1 - r["kv_peak_bytes"] / dense_peaks[r["step"]] for r in sparse if r["step"] in dense_peaks])
     touched = mean([max(r.get("applied_band_seq_frac", 0.0), r.get("applied_veto_seq_frac", 0.0))
                     for r in steps if "applied_band_seq_frac" in r])
-    first7 = [r["reward_mean"] for r in steps if r["step"] <= 7]
-    last7 = [r["reward_mean"] for r in steps if r["step"] > last - 7]
+    exact = [r.get("reward_task_mean", r["reward_mean"]) for r in steps]  # the task's own, whatever was trained on
+    first7, last7 = exact[:7], exact[-7:]
     return (f"| {run.name} | {last} | {start['eval_accuracy_dense']:.1%} → {end['dense']['accuracy']:.1%} | "
             f"{start['eval_accuracy_sparse']:.1%} → {end['sparse']['accuracy']:.1%} | "
             f"{mean(first7):.2f} → {mean(last7):.2f} | {sum(r.get('grad_norm', 0.0) > 0 for r in steps)} of {last} | "
@@ -62,14 +109,17 @@ def main() -> None:
     parser.add_argument("records", nargs="?", type=Path, default=Path(__file__).parent / "rl")
     parser.add_argument("--at", type=int, default=None, help="the step to read (default: each run's last)")
     args = parser.parse_args()
-    print("| run | steps | held-out dense: step 0 → end | held-out SnapKV 64: step 0 → end | batch reward, first 7 "
+    print("| run | steps | held-out dense: step 0 → end | held-out SnapKV 64: step 0 → end | batch accuracy, first 7 "
           "steps → last 7 | steps with an update | sequences band/veto touched | ξ q01 | α tail | peak KV saved | "
           "training wall (min) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for run in sorted(p for p in args.records.iterdir() if (p / "metrics.jsonl").exists() and "_s" in p.name):
+    runs = sorted(p for p in args.records.iterdir() if (p / "metrics.jsonl").exists() and "_s" in p.name)
+    for run in runs:
         line = row(args.records, run, args.at)
         if line:
             print(line)
+    print()
+    print("\n".join(summary(runs, args.at)))
 
 
 if __name__ == "__main__":
