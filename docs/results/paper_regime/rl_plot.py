@@ -19,13 +19,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
-from rl_table import records, setting_of  # noqa: E402 - this folder's table script
+from rl_table import setting_of, start_of  # noqa: E402 - this folder's table script
 
 
 def curves(root: Path, run: Path) -> dict[int, tuple[float, float]]:
     """Step -> (dense, SnapKV) held-out accuracy of one run, step 0 included."""
-    seed = run.name.rsplit("_s", 1)[1]
-    start = next(r for r in records(root / f"first_attempt_kl1e-4/dense_s{seed}/metrics.jsonl") if r["step"] == 0)
+    start = start_of(root, run.name.rsplit("_s", 1)[1])
     points = {0: (start["eval_accuracy_dense"], start["eval_accuracy_sparse"])}
     for evaluation in run.glob("eval_step*.json"):
         found = json.loads(evaluation.read_text())

@@ -6,12 +6,12 @@ Per run (a folder with metrics.jsonl and eval_step<STEP>.json from `sparserl eva
 each run's last step): held-out greedy accuracy under dense and SnapKV inference at step 0 and at STEP, the batch
 accuracy (the exact-answer reward) over the first and last seven steps, how many steps took an optimizer step, the
 training wall time, and the regime of the rollouts: the share of sequences Sparse-RL's band or veto touched
-(sparse-rl only), ξ's 1% quantile and the α tail (means over steps), and peak KV saved against the dense run of the
-same setting and seed at the same steps (the prompts of a step depend on the seed and the batch, not the policy:
-`sparse-rl-b32_s0` is compared with `dense-b32_s0`). Then per setting, over its seeds: the held-out accuracies at
-STEP as mean [min-max], and the share of the dense setting's mean. Step 0 is the same for every mode of a seed (the
-warm start, greedy, on the seed's 200 held-out prompts): it is read from the seed's first dense attempt, which
-evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`).
+(sparse-rl only), ξ's 1% quantile and the α tail (means over the steps that measured them), and peak KV saved
+against the dense run of the same setting and seed at the same steps (the prompts of a step depend on the seed and
+the batch, not the policy: `sparse-rl-b32_s0` is compared with `dense-b32_s0`). Then per setting, over its seeds:
+the held-out accuracies at STEP as mean [min-max], and the share of the dense setting's mean. Step 0 is the same for
+every mode of a seed (the warm start, greedy, on the seed's 200 held-out prompts): it is read from the seed's first
+dense attempt, which evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`).
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ def setting_of(run: Path) -> str:
     return run.name.rsplit("_s", 1)[0]
 
 
-def final_accuracies(run: Path, at: int | None) -> tuple[int, float, float] | None:
-    """The step read (`at`, default the run's last) and the held-out greedy accuracy there under dense and SnapKV
-    inference."""
+def start_of(root: Path, seed: str) -> dict:
+    """The warm start's step-0 record of `seed` (held-out greedy accuracy, dense and SnapKV), the same for every mode."""
+    return next(r for r in records(root / f"first_attempt_kl1e-4/dense_s{seed}/metrics.jsonl") if r["step"] == 0)
+
+
+def evaluation_at(run: Path, at: int | None) -> tuple[int, dict] | None:
+    """The step read (`at`, default the run's last) and the run's held-out evaluation there, if it has one."""
     last = at or max(r["step"] for r in records(run / "metrics.jsonl"))
     evaluation = run / f"eval_step{last}.json"
-    if not evaluation.exists():
-        return None
-    end = json.loads(evaluation.read_text())
-    return last, end["dense"]["accuracy"], end["sparse"]["accuracy"]
+    return (last, json.loads(evaluation.read_text())) if evaluation.exists() else None
 
 
 def spread(values: list[float]) -> str:
@@ -63,9 +64,11 @@ def summary(runs: list[Path], at: int | None) -> list[str]:
     of the dense setting's at the same step."""
     by_setting: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for run in runs:
-        found = final_accuracies(run, at)
+        found = evaluation_at(run, at)
         if found:
-            by_setting.setdefault((setting_of(run), found[0]), []).append(found[1:])
+            step, end = found
+            by_setting.setdefault((setting_of(run), step), []).append((end["dense"]["accuracy"],
+                                                                       end["sparse"]["accuracy"]))
     lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's |",
              "|---|---|---|---|---|---|"]
     for (setting, step), found in sorted(by_setting.items()):
@@ -79,19 +82,18 @@ def summary(runs: list[Path], at: int | None) -> list[str]:
 
 def row(root: Path, run: Path, at: int | None) -> str | None:
     seed = run.name.rsplit("_s", 1)[1]
-    steps = [r for r in records(run / "metrics.jsonl") if r["step"] > 0]
-    last = at or max(r["step"] for r in steps)
-    evaluation = run / f"eval_step{last}.json"
-    if not evaluation.exists():
+    found = evaluation_at(run, at)
+    if found is None:
         return None
-    steps = [r for r in steps if r["step"] <= last]
-    start = next(r for r in records(root / f"first_attempt_kl1e-4/dense_s{seed}/metrics.jsonl") if r["step"] == 0)
-    end = json.loads(evaluation.read_text())
+    last, end = found
+    steps = [r for r in records(run / "metrics.jsonl") if 0 < r["step"] <= last]
+    start = start_of(root, seed)
     dense_run = root / f"dense{setting_of(run)[len(mode_of(run)):]}_s{seed}/metrics.jsonl"
     dense_peaks = {r["step"]: r["kv_peak_bytes"] for r in records(dense_run) if r["step"] > 0} \
         if dense_run.exists() else {}
-    sparse = [r for r in steps if "alpha_tail" in r]  # rollouts of a compressed cache
+    sparse = [r for r in steps if r.get("kv_compressions", 0) > 0]  # rollouts of a compressed cache
     saved = mean([1 - r["kv_peak_bytes"] / dense_peaks[r["step"]] for r in sparse if r["step"] in dense_peaks])
+    alpha_tails = [r["alpha_tail"] for r in sparse if "alpha_tail" in r]  # measured every `alpha_every` steps
     touched = mean([max(r.get("applied_band_seq_frac", 0.0), r.get("applied_veto_seq_frac", 0.0))
                     for r in steps if "applied_band_seq_frac" in r])
     exact = [r.get("reward_task_mean", r["reward_mean"]) for r in steps]  # the task's own, whatever was trained on
@@ -100,7 +102,7 @@ def row(root: Path, run: Path, at: int | None) -> str | None:
             f"{start['eval_accuracy_sparse']:.1%} → {end['sparse']['accuracy']:.1%} | "
             f"{mean(first7):.2f} → {mean(last7):.2f} | {sum(r.get('grad_norm', 0.0) > 0 for r in steps)} of {last} | "
             f"{shown(touched, '.0%')} | {shown(mean([r['xi_q01'] for r in sparse]), '.3f')} | "
-            f"{shown(mean([r['alpha_tail'] for r in sparse]), '.3f')} | {shown(saved, '.1%')} | "
+            f"{shown(mean(alpha_tails), '.3f')} | {shown(saved, '.1%')} | "
             f"{sum(r['step_s'] for r in steps) / 60:.0f} |")
 
 
