@@ -3,8 +3,8 @@ under dense and under SnapKV 64 inference, one line per setting (the mean over i
 
     python docs/results/paper_regime/rl_plot.py [--settings REGEX] [--out FILE] [RECORDS_DIR]
 
-Reads the runs' eval_step<N>.json (every step a run was evaluated at) and step 0 from the seed's first dense attempt,
-as rl_table.py does. A setting is the run's name without its seed (`dense-b32` for `dense-b32_s0`).
+Reads the runs' eval_step<N>.json (every step a run was evaluated at) and step 0 as rl_table.py does. A setting is
+the run's name without its seed (`dense-b32` for `dense-b32_s0`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from rl_table import setting_of, start_of  # noqa: E402 - this folder's table sc
 
 def curves(root: Path, run: Path) -> dict[int, tuple[float, float]]:
     """Step -> (dense, SnapKV) held-out accuracy of one run, step 0 included."""
-    start = start_of(root, run.name.rsplit("_s", 1)[1])
-    points = {0: (start["eval_accuracy_dense"], start["eval_accuracy_sparse"])}
+    points = {0: start_of(root, run.name.rsplit("_s", 1)[1])}
     for evaluation in run.glob("eval_step*.json"):
         found = json.loads(evaluation.read_text())
         points[int(evaluation.stem.removeprefix("eval_step"))] = (found["dense"]["accuracy"],

@@ -11,7 +11,8 @@ against the dense run of the same setting and seed at the same steps (the prompt
 the batch, not the policy: `sparse-rl-b32_s0` is compared with `dense-b32_s0`). Then per setting, over its seeds:
 the held-out accuracies at STEP as mean [min-max], and the share of the dense setting's mean. Step 0 is the same for
 every mode of a seed (the warm start, greedy, on the seed's 200 held-out prompts): it is read from the seed's first
-dense attempt, which evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`).
+dense attempt, which evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`), or from `sparserl eval` of
+the warm start (`warm_start_s<seed>/eval_step0.json`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,16 @@ def setting_of(run: Path) -> str:
     return run.name.rsplit("_s", 1)[0]
 
 
-def start_of(root: Path, seed: str) -> dict:
-    """The warm start's step-0 record of `seed` (held-out greedy accuracy, dense and SnapKV), the same for every mode."""
-    return next(r for r in records(root / f"first_attempt_kl1e-4/dense_s{seed}/metrics.jsonl") if r["step"] == 0)
+def start_of(root: Path, seed: str) -> tuple[float, float]:
+    """The warm start's held-out greedy accuracy on `seed`'s prompts, dense and SnapKV, the same for every mode: from
+    the seed's first dense attempt, which evaluated step 0, or from `sparserl eval` of the warm start
+    (warm_start_s<seed>/eval_step0.json)."""
+    evaluation = root / f"warm_start_s{seed}/eval_step0.json"
+    if evaluation.exists():
+        found = json.loads(evaluation.read_text())
+        return found["dense"]["accuracy"], found["sparse"]["accuracy"]
+    start = next(r for r in records(root / f"first_attempt_kl1e-4/dense_s{seed}/metrics.jsonl") if r["step"] == 0)
+    return start["eval_accuracy_dense"], start["eval_accuracy_sparse"]
 
 
 def evaluation_at(run: Path, at: int | None) -> tuple[int, dict] | None:
@@ -98,8 +106,8 @@ def row(root: Path, run: Path, at: int | None) -> str | None:
                     for r in steps if "applied_band_seq_frac" in r])
     exact = [r.get("reward_task_mean", r["reward_mean"]) for r in steps]  # the task's own, whatever was trained on
     first7, last7 = exact[:7], exact[-7:]
-    return (f"| {run.name} | {last} | {start['eval_accuracy_dense']:.1%} → {end['dense']['accuracy']:.1%} | "
-            f"{start['eval_accuracy_sparse']:.1%} → {end['sparse']['accuracy']:.1%} | "
+    return (f"| {run.name} | {last} | {start[0]:.1%} → {end['dense']['accuracy']:.1%} | "
+            f"{start[1]:.1%} → {end['sparse']['accuracy']:.1%} | "
             f"{mean(first7):.2f} → {mean(last7):.2f} | {sum(r.get('grad_norm', 0.0) > 0 for r in steps)} of {last} | "
             f"{shown(touched, '.0%')} | {shown(mean([r['xi_q01'] for r in sparse]), '.3f')} | "
             f"{shown(mean(alpha_tails), '.3f')} | {shown(saved, '.1%')} | "
