@@ -44,7 +44,9 @@ def main() -> None:
         if re.search(args.settings, setting_of(run)):
             by_setting.setdefault(setting_of(run), []).append(curves(args.records, run))
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for setting, seeds in sorted(by_setting.items()):
+    for setting, evaluated in sorted(by_setting.items()):
+        last = max(max(points) for points in evaluated)
+        seeds = [points for points in evaluated if last in points]  # a run still going waits for its end
         steps = sorted(set.intersection(*(set(points) for points in seeds)))  # steps every seed was evaluated at
         for index, (axis, inference) in enumerate(zip(axes, ("dense", "SnapKV 64"))):
             values = [[100 * points[step][index] for points in seeds] for step in steps]
