@@ -132,7 +132,7 @@ def line_prefix_credit(completions: list[str], demonstration: list[str], **kwarg
     scores = []
     for text, answer in zip(completions, demonstration):
         lines = answer.count("\n") + 1
-        scores.append(1.0 if text.strip() == answer else min(first_wrong_line(text, answer), lines) / (lines + 1))
+        scores.append(1.0 if text.strip() == answer else first_wrong_line(text, answer) / (lines + 1))
     return scores
 
 
