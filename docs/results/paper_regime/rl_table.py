@@ -21,6 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
+import yaml
+
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -34,9 +36,11 @@ def shown(value: float | None, form: str) -> str:
     return "—" if value is None else format(value, form)
 
 
-def mode_of(run: Path) -> str:
-    return next(line.split(":", 1)[1].strip() for line in (run / "config.yaml").read_text().splitlines()
-                if line.strip().startswith("mode:"))
+def dense_setting_of(run: Path) -> str:
+    """The dense setting the run is compared with: its name with the mode (from its config) read as dense,
+    `sparse-rl-b32_s0` -> `dense-b32`."""
+    mode = yaml.safe_load((run / "config.yaml").read_text())["train"]["mode"]
+    return "dense" + setting_of(run)[len(mode):]
 
 
 def setting_of(run: Path) -> str:
@@ -71,17 +75,18 @@ def summary(runs: list[Path], at: int | None) -> list[str]:
     """Per setting and step read, over its seeds: held-out accuracy under dense and SnapKV inference, and its share
     of the dense setting's at the same step."""
     by_setting: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    dense_settings: dict[str, str] = {}
     for run in runs:
         found = evaluation_at(run, at)
         if found:
             step, end = found
+            dense_settings[setting_of(run)] = dense_setting_of(run)
             by_setting.setdefault((setting_of(run), step), []).append((end["dense"]["accuracy"],
                                                                        end["sparse"]["accuracy"]))
     lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's |",
              "|---|---|---|---|---|---|"]
     for (setting, step), found in sorted(by_setting.items()):
-        mode = mode_of(next(r for r in runs if setting_of(r) == setting))
-        baseline = by_setting.get(("dense" + setting[len(mode):], step))
+        baseline = by_setting.get((dense_settings[setting], step))
         share = f"{mean([d for d, _ in found]) / mean([d for d, _ in baseline]):.0%}" if baseline else "—"
         lines.append(f"| {setting} | {step} | {len(found)} | {spread([d for d, _ in found])} | "
                      f"{spread([s for _, s in found])} | {share} |")
@@ -96,7 +101,7 @@ def row(root: Path, run: Path, at: int | None) -> str | None:
     last, end = found
     steps = [r for r in records(run / "metrics.jsonl") if 0 < r["step"] <= last]
     start = start_of(root, seed)
-    dense_run = root / f"dense{setting_of(run)[len(mode_of(run)):]}_s{seed}/metrics.jsonl"
+    dense_run = root / f"{dense_setting_of(run)}_s{seed}/metrics.jsonl"
     dense_peaks = {r["step"]: r["kv_peak_bytes"] for r in records(dense_run) if r["step"] > 0} \
         if dense_run.exists() else {}
     sparse = [r for r in steps if r.get("kv_compressions", 0) > 0]  # rollouts of a compressed cache
