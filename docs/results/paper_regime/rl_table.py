@@ -9,7 +9,8 @@ training wall time, and the regime of the rollouts: the share of sequences Spars
 (sparse-rl only), ξ's 1% quantile and the α tail (means over the steps that measured them), and peak KV saved
 against the dense run of the same setting and seed at the same steps (the prompts of a step depend on the seed and
 the batch, not the policy: `sparse-rl-b32_s0` is compared with `dense-b32_s0`). Then per setting, over its seeds:
-the held-out accuracies at STEP as mean [min-max], and the share of the dense setting's mean. Step 0 is the same for
+the held-out accuracies at STEP as mean [min-max], and their shares of the dense setting's means (under SnapKV
+inference: the sparse-trained model against the dense-trained one, both read through the compressed cache). Step 0 is the same for
 every mode of a seed (the warm start, greedy, on the seed's 200 held-out prompts): it is read from the seed's first
 dense attempt, which evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`), or from `sparserl eval` of
 the warm start (`warm_start_s<seed>/eval_step0.json`).
@@ -38,9 +39,13 @@ def shown(value: float | None, form: str) -> str:
 
 def dense_setting_of(run: Path) -> str:
     """The dense setting the run is compared with: its name with the mode (from its config) read as dense,
-    `sparse-rl-b32_s0` -> `dense-b32`."""
+    `sparse-rl-b32_s0` -> `dense-b32`; a variant with no dense runs of its own is compared with the setting it
+    varies, `sparse-rl-b32-credit-veto0.5_s0` -> `dense-b32-credit`."""
     mode = yaml.safe_load((run / "config.yaml").read_text())["train"]["mode"]
-    return "dense" + setting_of(run)[len(mode):]
+    setting = "dense" + setting_of(run)[len(mode):]
+    while "-" in setting and not any(run.parent.glob(f"{setting}_s*")):
+        setting = setting.rsplit("-", 1)[0]
+    return setting
 
 
 def setting_of(run: Path) -> str:
@@ -72,24 +77,31 @@ def spread(values: list[float]) -> str:
 
 
 def summary(runs: list[Path], at: int | None) -> list[str]:
-    """Per setting and step read, over its seeds: held-out accuracy under dense and SnapKV inference, and its share
-    of the dense setting's at the same step."""
-    by_setting: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    """Per setting and step read, over its seeds: held-out accuracy under dense and SnapKV inference, and each one's
+    share of the dense setting's at the same step on the same seeds (a setting with fewer seeds so far is compared
+    with dense on those seeds only: the seed picks the held-out prompts and the training prompts)."""
+    by_setting: dict[tuple[str, int], dict[str, tuple[float, float]]] = {}
     dense_settings: dict[str, str] = {}
     for run in runs:
         found = evaluation_at(run, at)
         if found:
             step, end = found
             dense_settings[setting_of(run)] = dense_setting_of(run)
-            by_setting.setdefault((setting_of(run), step), []).append((end["dense"]["accuracy"],
-                                                                       end["sparse"]["accuracy"]))
-    lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's |",
-             "|---|---|---|---|---|---|"]
+            seed = run.name.rsplit("_s", 1)[1]
+            by_setting.setdefault((setting_of(run), step), {})[seed] = (end["dense"]["accuracy"],
+                                                                        end["sparse"]["accuracy"])
+    lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's | "
+             "SnapKV inference / the dense setting's |",
+             "|---|---|---|---|---|---|---|"]
     for (setting, step), found in sorted(by_setting.items()):
-        baseline = by_setting.get((dense_settings[setting], step))
-        share = f"{mean([d for d, _ in found]) / mean([d for d, _ in baseline]):.0%}" if baseline else "—"
-        lines.append(f"| {setting} | {step} | {len(found)} | {spread([d for d, _ in found])} | "
-                     f"{spread([s for _, s in found])} | {share} |")
+        baseline = by_setting.get((dense_settings[setting], step), {})
+        seeds = sorted(found.keys() & baseline.keys())
+        shares = [f"{mean([found[s][i] for s in seeds]) / mean([baseline[s][i] for s in seeds]):.0%}"
+                  + ("" if len(seeds) == len(baseline) else f" (seeds {', '.join(seeds)})") if seeds else "—"
+                  for i in (0, 1)]
+        results = list(found.values())
+        lines.append(f"| {setting} | {step} | {', '.join(sorted(found))} | {spread([d for d, _ in results])} | "
+                     f"{spread([s for _, s in results])} | {shares[0]} | {shares[1]} |")
     return lines
 
 
