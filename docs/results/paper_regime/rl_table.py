@@ -5,15 +5,16 @@
 Per run (a folder with metrics.jsonl and eval_step<STEP>.json from `sparserl eval --inference both`; without --at,
 each run's last step): held-out greedy accuracy under dense and SnapKV inference at step 0 and at STEP, the batch
 accuracy (the exact-answer reward) over the first and last seven steps, how many steps took an optimizer step, the
-training wall time, and the regime of the rollouts: the share of sequences Sparse-RL's band or veto touched
-(sparse-rl only), ξ's 1% quantile and the α tail (means over the steps that measured them), and peak KV saved
-against the dense run of the same setting and seed at the same steps (the prompts of a step depend on the seed and
-the batch, not the policy: `sparse-rl-b32_s0` is compared with `dense-b32_s0`). Then per setting, over its seeds:
-the held-out accuracies at STEP as mean [min-max], and their shares of the dense setting's means (under SnapKV
-inference: the sparse-trained model against the dense-trained one, both read through the compressed cache). Step 0 is the same for
-every mode of a seed (the warm start, greedy, on the seed's 200 held-out prompts): it is read from the seed's first
-dense attempt, which evaluated it (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`), or from `sparserl eval` of
-the warm start (`warm_start_s<seed>/eval_step0.json`).
+training wall time, and the regime of the rollouts: the share of sequences the most active filter touched (modes
+with filters: Sparse-RL's band or veto, Geo-RS's bounds or veto), ξ's 1% quantile and the α tail (means over the
+steps that measured them), and peak KV saved against the dense run of the same setting and seed at the same steps
+(the prompts of a step depend on the seed and the batch, not the policy: `sparse-rl-b32_s0` is compared with
+`dense-b32_s0`). Then per setting, over its seeds: the held-out accuracies at STEP as mean [min-max], and their
+shares of the dense setting's means (under SnapKV inference: the sparse-trained model against the dense-trained
+one, both read through the compressed cache). Step 0 is the same for every mode of a seed (the warm start, greedy,
+on the seed's 200 held-out prompts): it is read from the seed's first dense attempt, which evaluated it
+(`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`), or from `sparserl eval` of the warm start
+(`warm_start_s<seed>/eval_step0.json`).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def row(root: Path, run: Path, at: int | None) -> str | None:
     sparse = [r for r in steps if r.get("kv_compressions", 0) > 0]  # rollouts of a compressed cache
     saved = mean([1 - r["kv_peak_bytes"] / dense_peaks[r["step"]] for r in sparse if r["step"] in dense_peaks])
     alpha_tails = [r["alpha_tail"] for r in sparse if "alpha_tail" in r]  # measured every `alpha_every` steps
-    touched = mean([max(r.get("applied_band_seq_frac", 0.0), r.get("applied_veto_seq_frac", 0.0))
-                    for r in steps if "applied_band_seq_frac" in r])
+    filtered = [[v for k, v in r.items() if k.startswith("applied_") and k.endswith("_seq_frac")] for r in steps]
+    touched = mean([max(shares) for shares in filtered if shares])  # the filter touching most sequences, a step
     exact = [r.get("reward_task_mean", r["reward_mean"]) for r in steps]  # the task's own, whatever was trained on
     first7, last7 = exact[:7], exact[-7:]
     return (f"| {run.name} | {last} | {start[0]:.1%} → {end['dense']['accuracy']:.1%} | "
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=None, help="the step to read (default: each run's last)")
     args = parser.parse_args()
     print("| run | steps | held-out dense: step 0 → end | held-out SnapKV 64: step 0 → end | batch accuracy, first 7 "
-          "steps → last 7 | steps with an update | sequences band/veto touched | ξ q01 | α tail | peak KV saved | "
+          "steps → last 7 | steps with an update | sequences a filter touched | ξ q01 | α tail | peak KV saved | "
           "training wall (min) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     runs = sorted(p for p in args.records.iterdir() if (p / "metrics.jsonl").exists() and "_s" in p.name)
