@@ -54,6 +54,11 @@ def setting_of(run: Path) -> str:
     return run.name.rsplit("_s", 1)[0]
 
 
+def seed_of(run: Path) -> str:
+    """The run's seed, from its name: `sparse-rl-b32_s0` -> `0`."""
+    return run.name.rsplit("_s", 1)[1]
+
+
 def start_of(root: Path, seed: str) -> tuple[float, float]:
     """The warm start's held-out greedy accuracy on `seed`'s prompts, dense and SnapKV, the same for every mode: from
     the seed's first dense attempt, which evaluated step 0, or from `sparserl eval` of the warm start
@@ -88,18 +93,17 @@ def summary(runs: list[Path], at: int | None) -> list[str]:
         if found:
             step, end = found
             dense_settings[setting_of(run)] = dense_setting_of(run)
-            seed = run.name.rsplit("_s", 1)[1]
-            by_setting.setdefault((setting_of(run), step), {})[seed] = (end["dense"]["accuracy"],
-                                                                        end["sparse"]["accuracy"])
+            by_setting.setdefault((setting_of(run), step), {})[seed_of(run)] = (end["dense"]["accuracy"],
+                                                                                end["sparse"]["accuracy"])
     lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's | "
              "SnapKV inference / the dense setting's |",
              "|---|---|---|---|---|---|---|"]
     for (setting, step), found in sorted(by_setting.items()):
         baseline = by_setting.get((dense_settings[setting], step), {})
         seeds = sorted(found.keys() & baseline.keys())
-        shares = [f"{mean([found[s][i] for s in seeds]) / mean([baseline[s][i] for s in seeds]):.0%}"
-                  + ("" if len(seeds) == len(baseline) else f" (seeds {', '.join(seeds)})") if seeds else "—"
-                  for i in (0, 1)]
+        which = "" if len(seeds) == len(baseline) else f" (seeds {', '.join(seeds)})"
+        shares = [f"{mean([found[s][i] for s in seeds]) / mean([baseline[s][i] for s in seeds]):.0%}{which}"
+                  if seeds else "—" for i in (0, 1)]
         results = list(found.values())
         lines.append(f"| {setting} | {step} | {', '.join(sorted(found))} | {spread([d for d, _ in results])} | "
                      f"{spread([s for _, s in results])} | {shares[0]} | {shares[1]} |")
@@ -107,7 +111,7 @@ def summary(runs: list[Path], at: int | None) -> list[str]:
 
 
 def row(root: Path, run: Path, at: int | None) -> str | None:
-    seed = run.name.rsplit("_s", 1)[1]
+    seed = seed_of(run)
     found = evaluation_at(run, at)
     if found is None:
         return None
