@@ -27,7 +27,7 @@ import torch
 from sparserl.config.corrections import CorrectionConfig
 from sparserl.config.schema import load_config
 from sparserl.experiments.eval import held_out
-from sparserl.learner.corrections import compute_corrections
+from sparserl.learner.corrections import compute_corrections, token_ratios
 from sparserl.model.forward import batched_logprobs
 from sparserl.rollout.sparsity.settings import sparsity_from_config
 from sparserl.tasks.counted_progression import demonstration
@@ -55,7 +55,7 @@ def audit(setup, compression, temperature: float, samples: int, seed: int, count
                                 temperature)
     corrections = compute_corrections(logp_old, batch.sampler_logprobs, batch.response_mask,
                                       CorrectionConfig.sparse_rl())
-    xi = (logp_old.double() - batch.sampler_logprobs.double()).clamp(-20, 20).exp()
+    xi = token_ratios(logp_old, batch.sampler_logprobs, batch.response_mask).xi  # as the corrections read it
     kept = corrections.keep_mask.bool()
     at_error = torch.zeros_like(kept)
     errors, correct_rows = [], []
@@ -72,7 +72,7 @@ def audit(setup, compression, temperature: float, samples: int, seed: int, count
                        "token": setup.tokenizer.decode([ids[token]]),
                        "context": setup.tokenizer.decode(ids[max(0, token - 8):token + 1])})
     response = batch.response_mask.bool()
-    others = response & ~at_error
+    others, below_half = response & ~at_error, response & (xi < 0.5)
     n, correct = max(len(errors), 1), len(correct_rows)
     return {
         "rollouts": len(batch), "correct": correct, "wrong": len(errors),
@@ -82,12 +82,11 @@ def audit(setup, compression, temperature: float, samples: int, seed: int, count
         "error_tokens_xi_above_1_5": sum(e["xi"] > 1.5 for e in errors) / n,
         "error_tokens_xi_median": float(torch.tensor([e["xi"] for e in errors]).median()) if errors else None,
         "other_tokens_removed": float((others & ~kept).sum() / others.sum()),
-        "other_tokens_xi_below_half": float((others & (xi < 0.5)).sum() / others.sum()),
+        "other_tokens_xi_below_half": float((others & below_half).sum() / others.sum()),
         "kept_token_frac": float((response & kept).sum() / response.sum()),
         # a band at the sequence's scope (drop every answer holding a token with ξ < 0.5) would drop these:
-        "sequences_with_xi_below_half": float((response & (xi < 0.5)).any(dim=1).double().mean()),
-        "correct_sequences_with_xi_below_half": sum(bool((response[row] & (xi[row] < 0.5)).any())
-                                                    for row in correct_rows) / max(correct, 1),
+        "sequences_with_xi_below_half": float(below_half.any(dim=1).double().mean()),
+        "correct_sequences_with_xi_below_half": float(below_half[correct_rows].any(dim=1).sum()) / max(correct, 1),
         "errors": errors,
     }
 
