@@ -1,6 +1,7 @@
 """Decode steps at the GPU's memory floor: the engine's static step (CUDA graphs) against the bytes a step must read.
 
     python bench/gpu_decode.py --out FILE.jsonl [--device cuda] [--deadline 420] [--compile-decode auto]
+        [--warm-runs 1] [--only REGEX]
     python bench/gpu_decode.py --out /tmp/d.jsonl --device cpu --small          # the dry run tests/ runs
 
 A Qwen2.5-1.5B-shaped model (28 layers, 12 query / 2 KV heads of 128, vocabulary 151,936) with random bf16 weights;
@@ -80,7 +81,8 @@ class Bench:
         self.bandwidth = next((b for card, b in BANDWIDTH.items() if card in name), 1e11 if self.cuda else 5e10)
         self.emit({"what": "setup", "device": name, "torch": torch.__version__, "dtype": str(self.dtype),
                    "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_per_token,
-                   "bandwidth_assumed": self.bandwidth, "compile_decode": args.compile_decode})
+                   "bandwidth_assumed": self.bandwidth, "compile_decode": args.compile_decode,
+                   "warm_runs": args.warm_runs})
 
     def emit(self, record: dict) -> None:
         record["t"] = round(time.time() - self.started, 1)
@@ -118,7 +120,9 @@ class Bench:
         stamps: list[float] = []
         first_timed = interval + 1  # the steps after the first compression
         window = (first_timed + 1, first_timed + 9)  # 8 steps between compressions, for the counts
-        counts = HostReads()
+        # torch.compile refuses to run under a dispatch mode, so a step compiled on the CPU (run compiled at every
+        # step, not replayed) is not counted.
+        counts = HostReads() if self.cuda or self.args.compile_decode != "true" else None
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         profiler = torch.profiler.profile(activities=activities) if self.cuda else None
 
@@ -126,17 +130,21 @@ class Bench:
             self.sync()
             stamps.append(time.perf_counter())
             if len(stamps) == window[0]:
-                counts.__enter__()
+                if counts is not None:
+                    counts.__enter__()
                 if profiler is not None:
                     profiler.start()
             elif len(stamps) == window[1]:
-                counts.__exit__(None, None, None)
+                if counts is not None:
+                    counts.__exit__(None, None, None)
                 if profiler is not None:
                     profiler.stop()
 
+        sampler = self.sampler(method, budget, interval)
+        for _ in range(self.args.warm_runs):  # compilations and captures of every shape the timed run meets
+            sampler.generate([prompt] * rows, sampling, seeds=seeds)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        sampler = self.sampler(method, budget, interval)
         self.sync()
         started = time.perf_counter()
         batch = sampler.generate([prompt] * rows, sampling, seeds=seeds, on_step=on_step)
@@ -145,8 +153,9 @@ class Bench:
         record = {"what": "cell", "method": method, "L": length, "rows": rows, "prompt": prompt_len,
                   "budget": budget, "interval": interval, "new": new, "cell_s": rollout_s}
         measured = len(stamps) - window[1] if window[1] < len(stamps) else 0
-        record["host_reads_per_step"] = counts.reads / 8
-        record["aten_ops_per_step"] = counts.ops / 8
+        if counts is not None:
+            record["host_reads_per_step"] = counts.reads / 8
+            record["aten_ops_per_step"] = counts.ops / 8
         if profiler is not None and measured:
             events = profiler.key_averages()
             record["launches_per_step"] = sum(event.count for event in events if event.key in LAUNCHES) / 8
@@ -284,9 +293,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a 2-layer model and short contexts: a dry run")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds after which cells are skipped")
-    parser.add_argument("--compile-decode", default="auto", choices=("auto", "true", "false"))
+    parser.add_argument("--compile-decode", default="auto", choices=("auto", "true", "false"),
+                        help="auto: CUDA graphs of the step; true: the step compiled (Inductor), then captured")
+    parser.add_argument("--warm-runs", type=int, default=0,
+                        help="untimed rollouts of each cell first, so that no compilation falls in the timed steps")
     parser.add_argument("--only", default="", help="a regular expression: run only the cells whose name matches")
-    Bench(parser.parse_args()).run()
+    args = parser.parse_args()
+    if args.compile_decode == "true":  # every cell's shapes compile once in this one process
+        torch._dynamo.config.recompile_limit = 256
+    Bench(args).run()
 
 
 if __name__ == "__main__":

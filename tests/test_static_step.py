@@ -5,6 +5,8 @@ decode loop's only reads between compressions are its end-of-row checks, every `
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 
 import pytest
 import torch
@@ -156,6 +158,83 @@ def test_replayed_captures_sample_as_the_eager_step(tiny, monkeypatch, sparsity)
     torch.testing.assert_close(eager.sampler_distribution, replayed.sampler_distribution, atol=0, rtol=0)
 
 
+def test_the_compiled_cache_write_is_in_place():
+    """The static step's cache write, compiled, writes the rows' slots into the buffers themselves: Inductor writes a
+    scatter_ out of place (a new buffer of the whole cache, copied back), which on an H200 made the compiled step
+    2.9x slower than the uncompiled one (docs/benchmarks.md). The generated code allocates no tensor of a buffer's
+    shape, and the slots hold the tokens."""
+    from torch._inductor.utils import run_and_get_code
+
+    from sparserl.rollout.cache import BufferLayer
+
+    layer = BufferLayer(4, 2, 8, 1024, 2, torch.float32, torch.device("cpu"), growth=1024)
+    layer.reserve(1024)
+    layer.static_rows, layer.static_slots = torch.arange(4)[:, None], torch.tensor([[3], [5], [0], [9]])
+    layer.incoming_columns, layer.incoming_real = torch.tensor([[7], [8], [9], [10]]), torch.ones(4, 1, dtype=torch.bool)
+    keys, values = torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)
+
+    def write(keys, values):
+        written = layer._write_static(keys, values)
+        return written[0].sum(), written[1].sum()
+
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(write, fullgraph=True), keys, values)
+    torch._dynamo.reset()
+    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code[0])
+    assert allocations and not [shape for shape in allocations if shape.startswith("4, 2, 1024")]
+    for row, slot in enumerate([3, 5, 0, 9]):
+        assert torch.equal(layer.keys[row, :, slot], keys[row, :, 0])
+        assert torch.equal(layer.values[row, :, slot], values[row, :, 0])
+        assert layer.columns[row, :, slot].tolist() == [7 + row] * 2 and layer.real[row, :, slot].all()
+    assert int(layer.real.sum()) == 4 * 2  # nothing but the four slots
+
+
+class _RecordedStep:
+    """A CPU stand-in for a CUDA graph whose replay runs what was recorded (the access checks of `_ReplayedGraph`
+    run under a dispatch mode, which torch.compile refuses)."""
+
+    def __init__(self, run):
+        self.replay, self.compiled = run, "compiled" in run.__code__.co_freevars
+
+
+@pytest.mark.parametrize("limit", [64, 1])
+def test_compiled_captures_sample_as_the_eager_step(tiny, monkeypatch, limit):
+    """`compile_decode=true` on a GPU: the compiled step is what each capture records (here replayed on the CPU), so
+    one replay runs the compiler's fused kernels; the tokens are the eager step's, the log-probs to float rounding.
+    Past dynamo's limit of shapes (limit 1) the capture warns once and records the step uncompiled."""
+    model, tokenizer = tiny
+    _, eager = _generate(model, tokenizer, SPARSITY["rkv"], "false", max_rows=3)
+    graphs: list[_RecordedStep] = []
+
+    def capture(run, state):
+        saved = [(tensor, tensor.clone()) for tensor in state]
+        run()  # the warm-up, whose effects on the state the capture undoes
+        for tensor, copy in saved:
+            tensor.copy_(copy)
+        graphs.append(_RecordedStep(run))
+        return graphs[-1]
+
+    monkeypatch.setattr(step, "_capture", capture)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=limit), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        engine = RolloutEngine(model, SPARSITY["rkv"], record_distributions=True)
+        runner = engine.runners["eager"] = step.StepRunner("compiled-graphs")  # what "true" runs on a GPU
+        prompts = _prompts(tokenizer)
+        sampling = SamplingConfig(14, 1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  prompt_width=max(map(len, prompts)))
+        replayed = engine.generate(prompts, sampling, seeds=[request_seed(5, r) for r in range(len(prompts))],
+                                   max_rows=3)
+    torch._dynamo.reset()
+    shape_warnings = [w for w in warned if "more step shapes" in str(w.message)]
+    compiled = sum(graph.compiled for graph in graphs)
+    if limit == 1:
+        assert runner.mode == "graphs" and len(shape_warnings) == 1 and 1 <= compiled < len(graphs)
+    else:
+        assert runner.mode == "compiled-graphs" and not shape_warnings and compiled == len(graphs) > 1
+    _same(eager, replayed)
+
+
 class _HostReadsByPhase(HostReads):
     """The host reads, by the loop's phase they ran in."""
 
@@ -213,6 +292,7 @@ def test_a_bad_compile_setting_is_refused():
     assert step.StepRunner.mode_for("auto", torch.device("cpu")) == "eager"
     assert step.StepRunner.mode_for("true", torch.device("cpu")) == "compile"
     assert step.StepRunner.mode_for("auto", torch.device("cuda")) == "graphs"
+    assert step.StepRunner.mode_for("true", torch.device("cuda")) == "compiled-graphs"
     assert step.StepRunner.mode_for("false", torch.device("cuda")) == "eager"
 
 

@@ -1,18 +1,23 @@
-"""The H200 decode table of docs/benchmarks.md ("On a GPU") from the three runs' records in this folder.
+"""The H200 decode tables of docs/benchmarks.md from the records in this folder.
 
-    python docs/results/gpu_h200/table.py
+    python docs/results/gpu_h200/table.py              # "On a GPU": runs 1-3 (2026-11-27)
+    python docs/results/gpu_h200/table.py --compiled   # "Compiled, then captured": runs 4-5 (2026-11-28)
 
 run 1: the first run of the static step on CUDA (compressions scored all layers at once: out of memory past 64 rows);
 run 2: scored in stacks of at most 2 GiB of float32 keys, GPU kernels counted; run 3: the buffers also shrink to
-B + Δ + 1 after a compression. Each ratio is to dense in the same run.
+B + Δ + 1 after a compression. Each ratio is to dense in the same run. Runs 4 and 5 (one machine each) time the
+step captured as is (`--compile-decode auto`) and compiled then captured (`true`), each cell after one untimed
+rollout; run 4 wrote the cache with `scatter_`, run 5 with `index_put_`.
 """
 
 import json
 import re
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 RUNS = {name: [json.loads(line) for line in (HERE / f"decode_{name}.jsonl").open()] for name in ("run1", "run2", "run3")}
+COMPILED_RUNS = ("run4_graphs", "run4_compiled", "run5_graphs", "run5_compiled")
 
 
 def cells(records) -> dict:
@@ -64,5 +69,18 @@ def main() -> None:
                       f"[0.9, 1.1]; q0.001 {q[0]:.4f}, q0.999 {q[4]:.4f}")
 
 
+def compiled_table() -> None:
+    found = {name: cells(json.loads(line) for line in (HERE / f"decode_{name}.jsonl").open())
+             for name in COMPILED_RUNS}
+    print("| L × rows | method | floor ms | run 4 (scatter_) captured: step ms, × dense, kernels / kernel ms | "
+          "run 4 compiled, captured | run 5 (index_put_) captured | run 5 compiled, captured |")
+    print("|---|---|---|---|---|---|---|")
+    for length, rows, method in sorted({k for f in found.values() for k in f}):
+        floor = next(f[(length, rows, method)]["floor_step_ms"] for f in found.values()
+                     if "floor_step_ms" in f.get((length, rows, method), {}))
+        parts = [shown(f.get((length, rows, method)), f.get((length, rows, "dense"))) for f in found.values()]
+        print(f"| {length} × {rows} | {method} | {floor:.2f} | " + " | ".join(parts) + " |")
+
+
 if __name__ == "__main__":
-    main()
+    compiled_table() if "--compiled" in sys.argv[1:] else main()

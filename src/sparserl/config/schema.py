@@ -86,7 +86,7 @@ class RolloutConfig:
     worker_cpus: int = 1  # CPUs each rollout worker asks Ray for; a worker samples with the driver's torch thread count (so its shards are bit for bit the in-process ones), so give it at least that many
     rollout_kv_memory: str | None = None  # KV memory for the rows in flight: a size (64MiB, 20GiB) or auto (90% of the memory free after the weights); each row reserves what its cache can reach, so a compressed sampler runs more rows in the same bytes; none: no limit
     max_concurrent_rows: int = 0  # the most rows decoding at once (0: the whole step, or what --rollout-kv-memory holds)
-    compile_decode: Literal["auto", "true", "false"] = "auto"  # how the static decode step runs: auto (CUDA graphs on a GPU, eager elsewhere), true (graphs on a GPU, torch.compile elsewhere: slow to start, changes float rounding only), false (eager)
+    compile_decode: Literal["auto", "true", "false"] = "auto"  # how the static decode step runs: auto (CUDA graphs on a GPU, eager elsewhere), true (torch.compile, then on a GPU the compiled step captured as graphs: slow to start, changes float rounding only), false (eager)
 
 
 # The KV policies' options (kv_lambda, kv_sinks, ...) are fields of the policies themselves

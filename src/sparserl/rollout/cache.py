@@ -71,6 +71,7 @@ class BufferLayer(CacheLayerMixin):
         # Set while the static decode step runs (`engine/step.py`): the slots `[N, Q]` the rows write their incoming
         # tokens to; the step then reads whole buffers, and the decode loop counts the slots on the host (`advance`).
         self.static_slots: torch.Tensor | None = None
+        self.static_rows: torch.Tensor | None = None  # `[N, 1]`: each row's index, for the slots' indexed writes
 
     # --- transformers' cache-layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -106,14 +107,14 @@ class BufferLayer(CacheLayerMixin):
         """`update` inside the static decode step: each row's tokens `[N, Hkv, Q, D]` go to its slots, written in place
         with tensor indices only (no host value read, no shape that changes from step to step); returns the whole
         buffers, whose slots past a row's tokens are unreal and masked (`static_visible`)."""
-        slots, heads = self.static_slots, self.selection_heads
-        index = slots[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
-        self.columns.scatter_(2, slots[:, None, :].expand(-1, heads, -1),
-                              self.incoming_columns[:, None, :].expand(-1, heads, -1))
-        self.real.scatter_(2, slots[:, None, :].expand(-1, heads, -1),
-                           self.incoming_real[:, None, :].expand(-1, heads, -1))
+        # Indexed assignment (index_put_), not scatter_: torch.compile writes an index_put_ in place, but turns a
+        # scatter_ into a copy of the whole buffer (out of place, then back), which on a GPU cost more than the step
+        # it fused (docs/benchmarks.md). Assigned `[N, Q, H, ...]`: the indexed dims first.
+        rows, slots = self.static_rows, self.static_slots  # [N, 1], [N, Q]
+        self.keys[rows, :, slots] = key_states.transpose(1, 2)
+        self.values[rows, :, slots] = value_states.transpose(1, 2)
+        self.columns[rows, :, slots] = self.incoming_columns[:, :, None]
+        self.real[rows, :, slots] = self.incoming_real[:, :, None]
         return self.keys, self.values
 
     def static_visible(self) -> torch.Tensor:
@@ -298,16 +299,18 @@ class BufferCache(Cache):
         """The next forward is the static step's: its tokens (columns and realness `[N, Q]`) go to each row's next
         slots in every layer (a layer's rows may hold different counts: `slot_counts`)."""
         queries = columns.shape[1]
+        rows = torch.arange(columns.shape[0], device=columns.device)[:, None]
         for layer in self.layers:
             slots = layer.slot_counts[:, None]
             layer.static_slots = slots if queries == 1 else slots + torch.arange(queries, device=slots.device)
+            layer.static_rows = rows
             layer.incoming_columns, layer.incoming_real = columns, real
 
     def end_static(self) -> None:
         """The static step wrote its tokens: count them on the device, where the next step reads them."""
         for layer in self.layers:
             layer.slot_counts.add_(layer.static_slots.shape[1])
-            layer.static_slots = None
+            layer.static_slots = layer.static_rows = None
 
     def reserve(self, slots: int) -> bool:
         """Make room for `slots` more in every row's buffers (growing them if needed); whether any buffer moved."""

@@ -6,9 +6,9 @@ cache slot and realness, its draw counter (`RowState`), the cache buffers (`Buff
 window of queries and attention mass, and the per-request outputs (`Responses`). Its masks come from the cache's
 realness and columns inside the step; nothing in it reads a value back to the host, indexes by a boolean mask or
 branches on a tensor's value, and no shape changes from one step to the next. So it can be captured as one CUDA graph
-per (rows, cache capacity) and replayed (`StepRunner`, as vLLM does), or compiled whole on a CPU
-(`torch.compile(fullgraph=True, dynamic=False)`): the loop only calls it between the events that change a shape
-(rows joining or leaving, a buffer growing, a compression).
+per (rows, cache capacity) and replayed (`StepRunner`, as vLLM does), compiled whole
+(`torch.compile(fullgraph=True, dynamic=False)`), or both, the compiled step captured: the loop only calls it
+between the events that change a shape (rows joining or leaving, a buffer growing, a compression).
 
 Each row draws the token at its own response index from its own seed (`token_draws.row_uniforms`), so a row's tokens
 do not depend on the rows beside it, and the step's outputs are the eager step's whether it runs eagerly, compiled
@@ -28,6 +28,7 @@ from ...model.structure import rope_depends_on_length, text_config
 from .token_draws import draw_tokens, row_uniforms
 
 COMPILE_CHOICES = ("auto", "true", "false")
+MODES = ("eager", "compile", "graphs", "compiled-graphs")
 
 
 @dataclass
@@ -124,12 +125,13 @@ class StepRunner:
     from CUDA graphs, each captured on the first call that meets its key (the step, the Python values that shape it,
     the addresses and shapes of every tensor it reads and writes) and dropped once the buffers it holds are replaced.
 
-    `mode`: "eager", "compile" or "graphs"; `compile_decode` (auto | true | false) chooses: auto is graphs on CUDA,
-    eager elsewhere; true is graphs on CUDA and compile elsewhere."""
+    `mode`: "eager", "compile", "graphs" or "compiled-graphs" (compiled, then the compiled step captured, so that
+    one replay launches the compiler's fused kernels); `compile_decode` (auto | true | false) chooses: auto is graphs
+    on CUDA, eager elsewhere; true is compiled-graphs on CUDA and compile elsewhere."""
 
     def __init__(self, mode: str):
-        if mode not in ("eager", "compile", "graphs"):
-            raise ValueError(f"step mode {mode!r}: eager, compile or graphs")
+        if mode not in MODES:
+            raise ValueError(f"step mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
         self._compiled: dict[Callable, Callable] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -140,7 +142,9 @@ class StepRunner:
             raise ValueError(f"compile_decode {compile_decode!r}: one of {', '.join(COMPILE_CHOICES)}")
         if compile_decode == "false":
             return "eager"
-        return "graphs" if device.type == "cuda" else "compile" if compile_decode == "true" else "eager"
+        if device.type == "cuda":
+            return "compiled-graphs" if compile_decode == "true" else "graphs"
+        return "compile" if compile_decode == "true" else "eager"
 
     @classmethod
     def for_model(cls, compile_decode: str, model) -> StepRunner:
@@ -172,11 +176,14 @@ class StepRunner:
         else:
             self._replay(step, args, buffers, state, key)
 
-    def _run_compiled(self, step: Callable, args: tuple) -> None:
+    def _compiled_step(self, step: Callable) -> Callable:
         if step not in self._compiled:
             self._compiled[step] = torch.compile(step, fullgraph=True, dynamic=False)
+        return self._compiled[step]
+
+    def _run_compiled(self, step: Callable, args: tuple) -> None:
         try:
-            self._compiled[step](*args)
+            self._compiled_step(step)(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Each (rows, capacity) is a compilation; rows leaving and joining can make more than dynamo keeps. The
             # check raises before the step runs, so the rollout goes on eagerly from here (float rounding aside, the
@@ -195,8 +202,21 @@ class StepRunner:
             # this step over these buffers with another key, a speculative round's γ, stays).
             for stale in [k for k in self._graphs if k[0] is step and k[2] != held]:
                 del self._graphs[stale]
-            graph = self._graphs[full_key] = _capture(lambda: step(*args), [t for t in state if t is not None])
+            graph = self._graphs[full_key] = self._capture(step, args, [t for t in state if t is not None])
         graph.replay()
+
+    def _capture(self, step: Callable, args: tuple, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
+        if self.mode == "compiled-graphs":
+            compiled = self._compiled_step(step)
+            try:
+                return _capture(lambda: compiled(*args), state)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                # Raised by the warm-up before the step runs, so no state has moved: the shapes past dynamo's limit
+                # are captured uncompiled (the same step, float rounding aside).
+                warnings.warn("compile_decode: more step shapes than torch.compile keeps compiled; the rest of "
+                              "this rollout's steps are captured uncompiled", RuntimeWarning, stacklevel=4)
+                self.mode = "graphs"
+        return _capture(lambda: step(*args), state)
 
 
 def run_decode_step(runner: StepRunner, model, cache, provider, rows: RowState, out: Responses, sampling,

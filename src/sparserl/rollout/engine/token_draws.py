@@ -17,13 +17,26 @@ def draw_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gener
     if temperature <= 0:
         token = logp.argmax(dim=-1)
     elif draws is not None:
-        cdf = logp.double().exp().cumsum(dim=-1)
+        cdf = cumulative_sum(logp.double().exp())
         # right=True: the first token whose CDF passes the draw, so tokens of probability 0 are never drawn.
         token = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
         token = token.clamp_(max=logp.shape[-1] - 1)
     else:
         token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
     return token, logp.gather(1, token[:, None]).squeeze(1), logp
+
+
+@torch.library.custom_op("sparserl::cumulative_sum", mutates_args=())
+def cumulative_sum(probabilities: torch.Tensor) -> torch.Tensor:
+    """`probabilities.cumsum(-1)` `[N, V]`, opaque to torch.compile: a compiled step draws through the same ATen scan
+    as an eager or captured one, and Inductor's own float64 scan over a vocabulary fails to generate code for some
+    row counts (torch 2.11 on CUDA at 64 rows; docs/benchmarks.md)."""
+    return probabilities.cumsum(dim=-1)
+
+
+@cumulative_sum.register_fake
+def _(probabilities: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(probabilities)
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
