@@ -202,10 +202,10 @@ class StepRunner:
             # this step over these buffers with another key, a speculative round's γ, stays).
             for stale in [k for k in self._graphs if k[0] is step and k[2] != held]:
                 del self._graphs[stale]
-            graph = self._graphs[full_key] = self._capture(step, args, [t for t in state if t is not None])
+            graph = self._graphs[full_key] = self._capture_step(step, args, [t for t in state if t is not None])
         graph.replay()
 
-    def _capture(self, step: Callable, args: tuple, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
+    def _capture_step(self, step: Callable, args: tuple, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
         if self.mode == "compiled-graphs":
             compiled = self._compiled_step(step)
             try:
