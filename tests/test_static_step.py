@@ -109,6 +109,15 @@ class _ReplayedGraph:
 
 
 @contextlib.contextmanager
+def _restored(state: list[torch.Tensor]):
+    """`state` as it was before the block: a capture's warm-up takes a real step, whose effects the capture undoes."""
+    saved = [(tensor, tensor.clone()) for tensor in state]
+    yield
+    for tensor, copy in saved:
+        tensor.copy_(copy)
+
+
+@contextlib.contextmanager
 def _graphs_on_the_cpu(monkeypatch):
     """Captures and replays on the CPU; yields the graphs captured and the (step, key, addresses) each call met."""
     graphs, met = [], []
@@ -121,11 +130,8 @@ def _graphs_on_the_cpu(monkeypatch):
         return replay(self, run, args, buffers, state, key)
 
     def capture(run, state):
-        saved = [(tensor, tensor.clone()) for tensor in state]
-        with _StepAccess() as access:
-            run()  # the warm-up: a real step, whose effects on the state the capture must undo
-        for tensor, copy in saved:
-            tensor.copy_(copy)
+        with _restored(state), _StepAccess() as access:
+            run()  # the warm-up
         undone_or_rewritten = set(_storages(held))  # the state restored, the buffers written again by each replay
         assert access.written <= undone_or_rewritten, "the warm-up wrote a tensor the runner neither restores nor holds"
         graphs.append(_ReplayedGraph(run, access.inputs))
@@ -207,10 +213,8 @@ def test_compiled_captures_sample_as_the_eager_step(tiny, monkeypatch, limit):
     graphs: list[_RecordedStep] = []
 
     def capture(run, state):
-        saved = [(tensor, tensor.clone()) for tensor in state]
-        run()  # the warm-up, whose effects on the state the capture undoes
-        for tensor, copy in saved:
-            tensor.copy_(copy)
+        with _restored(state):
+            run()  # the warm-up
         graphs.append(_RecordedStep(run))
         return graphs[-1]
 

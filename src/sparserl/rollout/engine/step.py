@@ -185,12 +185,7 @@ class StepRunner:
         try:
             self._compiled_step(step)(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
-            # Each (rows, capacity) is a compilation; rows leaving and joining can make more than dynamo keeps. The
-            # check raises before the step runs, so the rollout goes on eagerly from here (float rounding aside, the
-            # same step).
-            warnings.warn("compile_decode: more step shapes than torch.compile keeps compiled; the rest of this "
-                          "rollout's steps run eagerly", RuntimeWarning, stacklevel=3)
-            self.mode = "eager"
+            self._past_recompile_limit("eager", stacklevel=4)
             step(*args)
 
     def _replay(self, step, args, buffers, state, key) -> None:
@@ -211,12 +206,17 @@ class StepRunner:
             try:
                 return _capture(lambda: compiled(*args), state)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
-                # Raised by the warm-up before the step runs, so no state has moved: the shapes past dynamo's limit
-                # are captured uncompiled (the same step, float rounding aside).
-                warnings.warn("compile_decode: more step shapes than torch.compile keeps compiled; the rest of "
-                              "this rollout's steps are captured uncompiled", RuntimeWarning, stacklevel=4)
-                self.mode = "graphs"
+                self._past_recompile_limit("graphs", stacklevel=5)
         return _capture(lambda: step(*args), state)
+
+    def _past_recompile_limit(self, fallback_mode: str, stacklevel: int) -> None:
+        # Each (rows, capacity) is a compilation; rows leaving and joining can make more than dynamo keeps. Dynamo
+        # raises before the step runs (in a capture's warm-up, before it), so no state has moved and the rest of the
+        # rollout goes on uncompiled: the same step, float rounding aside. `stacklevel` names `run`'s caller.
+        how = "run eagerly" if fallback_mode == "eager" else "are captured uncompiled"
+        warnings.warn(f"compile_decode: more step shapes than torch.compile keeps compiled; the rest of this "
+                      f"rollout's steps {how}", RuntimeWarning, stacklevel=stacklevel)
+        self.mode = fallback_mode
 
 
 def run_decode_step(runner: StepRunner, model, cache, provider, rows: RowState, out: Responses, sampling,
