@@ -75,7 +75,10 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
         shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
         if name in CORRECTION_FIELDS:  # the mode's preset sets them
             shown = "set by --mode"
-        assert f"(default: {shown})" in entries[flag], entries[flag]
+        if default == "":  # an empty default is said in the field's own words, once
+            assert entries[flag].count("(default:") == 1, entries[flag]
+        else:
+            assert f"(default: {shown})" in entries[flag], entries[flag]
         # A one-line description before the default, not just the default.
         description = entries[flag].split(None, 2)[2].split("(default:")[0].strip()
         assert len(description) > 8, entries[flag]
@@ -87,6 +90,7 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
     assert "(default: dense)" in entries["--mode"]
     assert "(default: set by --mode)" in entries["--band"] and "LOW,HIGH|none" in entries["--band"]
     assert "{h2o,pyramidkv,rkv,snapkv,streamingllm}" in entries["--kv-policy"]
+    assert entries["--reward-weights"].endswith("one per reward function (default: all 1)")
 
 
 @pytest.mark.parametrize("command, flags", [
@@ -185,6 +189,63 @@ def test_eval_missing_model_says_what_to_do(capsys, tmp_path):
     assert "/nonexistent" in err
     assert "--model" in err and "save_pretrained" in err  # the remedy
     assert not (tmp_path / "e.json").exists()
+
+
+@pytest.mark.parametrize("argv, read", [
+    (["train", "--kv-per-head", "--steps", "1"], lambda args: args.cfg__kv_per_head == "true"),
+    (["train", "--overwrite"], lambda args: args.overwrite is True),
+    (["train", "--overwrite", "false"], lambda args: args.overwrite is False),
+    (["sft", "--out", "m", "--overwrite", "--chat-template", "false"],
+     lambda args: (args.sft__overwrite, args.cfg__chat_template) == ("true", "false")),
+    (["warmup", "--out", "m", "--overwrite"], lambda args: args.dc__overwrite == "true"),
+])
+def test_a_yes_no_setting_given_alone_means_yes(argv, read):
+    from sparserl.cli import _build_parser
+
+    assert read(_build_parser(argv[0]).parse_args(argv))
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and re.fullmatch(r"sparserl \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
+def test_an_abbreviated_flag_is_not_taken_for_another(capsys, tmp_path):
+    """argparse would read `eval --mode` as `--model` (an unambiguous prefix); here it is an unknown flag."""
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--out", str(tmp_path / "e.json"), "--mode", "sparse-rl"])
+    assert info.value.code == 2 and "unrecognized arguments: --mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["eval", "--out", "{tmp}", "--n", "1"], "--out {tmp} is a directory; give a file name such as"),
+    (["eval", "--out", "{tmp}/e.json", "--answers", "{tmp}", "--n", "1"], "--answers {tmp} is a directory"),
+    (["sweep", "--out", "{tmp}", "--n", "1"], "--out {tmp} is a directory"),
+    (["audit", "--out", "{tmp}/blocker/a.json", "--n", "1"], "blocker is a file; choose a writable path"),
+    (["calibrate", "--out", "{tmp}/blocker"], "--out {tmp}/blocker is a file; give a directory"),
+    (["sweep", "--out", "{tmp}/s.json", "--budgets", "4,40"], "--budgets: 4 do(es) not exceed kv_window (8)"),
+    (["eval", "--out", "{tmp}/e.json", "--inference", "dense", "--kv-budget", "12", "--n", "1"],
+     "--inference dense decodes with the whole cache, so --kv-budget would do nothing"),
+])
+def test_an_output_or_option_that_cannot_work_is_refused_before_any_work(capsys, tmp_path, monkeypatch, argv,
+                                                                          needle):
+    """Refused before the model is even loaded (loading it would fail: --model names nothing)."""
+    (tmp_path / "blocker").write_text("x")
+    argv = [part.format(tmp=tmp_path) for part in argv] + ["--model", str(tmp_path / "no-model")]
+    assert main(argv) == 2
+    assert needle.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_eval_says_which_inference_it_chose_for_a_sparse_config(tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "sparse.yaml"
+    config.write_text("rollout: {kv_policy: snapkv, kv_budget: 12}\ntrain: {mode: sparse-rl}\n")
+    out = tmp_path / "e.json"
+    assert main(["eval", "--config", str(config), "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS,
+                 "--samples", "0"]) == 0
+    assert "eval: dense inference (the default); --inference sparse or both decodes with the config's sparse " \
+           "sampler too (snapkv, budget 12)" in capsys.readouterr().err
+    assert json.loads(out.read_text())["inference"] == "dense"
 
 
 # ----------------------------------------------------------------------------- eval

@@ -64,3 +64,27 @@ def test_compare_with_distill_sparse_trains_the_adapter_in_sparse_modes_only(tin
     assert "distill_sparse: true" in (out / "sparse-tis" / "seed1" / "config.yaml").read_text()
     assert (out / "sparse-tis" / "seed1" / "checkpoints" / "step_000002" / "sampler_adapter").is_dir()
     assert "sparse-tis + DistillSparse" in (out / "report.md").read_text()
+
+
+def test_compare_extends_its_runs_to_more_steps_and_refuses_fewer(tiny_model_dir, tmp_path, capsys):
+    """A comparison rerun with more steps resumes its finished runs and evaluates them again (the report's step
+    count is then true); with fewer steps than a run has trained it is refused before any work."""
+    out = tmp_path / "cmp"
+    assert main(_args(tiny_model_dir, out, "dense")) == 0
+    longer = _args(tiny_model_dir, out, "dense")
+    longer[longer.index("--steps") + 1] = "3"
+    assert main(longer) == 0
+    run = out / "dense" / "seed1"
+    assert json.loads((run / "final_eval.json").read_text())["steps"] == 3
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    capsys.readouterr()
+    assert main(_args(tiny_model_dir, out, "dense")) == 2
+    assert "trained more steps (dense/seed1: 3); give --steps 3 or more" in capsys.readouterr().err
+
+
+def test_compare_refuses_two_modes_of_one_name(tiny_model_dir, tmp_path, capsys):
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("name: dense\nbase: sparse-rl\n")
+    out = tmp_path / "cmp"
+    assert main(_args(tiny_model_dir, out, f"dense,{preset}")) == 2
+    assert "share the run name dense" in capsys.readouterr().err and not out.exists()

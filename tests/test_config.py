@@ -116,6 +116,12 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         load_config(_write(tmp_path, "rollout:\n  kv_bugdet: 3\n"))
 
 
+def test_a_misspelt_section_is_named_as_a_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config section 'rolout' \(did you mean rollout\?\); the sections "
+                                          r"are .*rollout"):
+        load_config(_write(tmp_path, "rolout:\n  kv_budget: 12\n"))
+
+
 @pytest.mark.parametrize("typo, meant", [("stpes", "steps"), ("kvbudget", "kv_budget")])
 def test_unknown_key_suggests_close_spellings(typo, meant):
     with pytest.raises(ConfigError) as info:

@@ -61,6 +61,38 @@ def test_a_second_run_in_the_same_directory_is_refused(tiny_model_dir, tmp_path,
     assert [p.name for p in list_checkpoints(out)] == ["step_000002"]
 
 
+def test_overwrite_deletes_the_run_and_nothing_else(tiny_model_dir, tmp_path, capsys):
+    """--overwrite removes what a run writes, never a user's own files beside it; a directory holding other files
+    and no run (a comparison's, a data folder) is refused before anything is written; --resume with --overwrite
+    is refused before anything is deleted."""
+    out = tmp_path / "run"
+    assert main(_train(tiny_model_dir, out, 2)) == 0
+    (out / "notes.md").write_text("mine")
+    (out / "eval.json").write_text("{}")
+    assert main(_train(tiny_model_dir, out, 2, "--resume", "--overwrite")) == 2
+    assert "pass one of them" in _error(capsys) and _steps(out) == [0, 1, 2]
+    assert main(_train(tiny_model_dir, out, 1, "--overwrite", "true")) == 0
+    assert _steps(out) == [0, 1] and (out / "notes.md").read_text() == "mine" and (out / "eval.json").exists()
+
+    comparison = tmp_path / "comparison"
+    (comparison / "dense" / "seed0").mkdir(parents=True)
+    (comparison / "compare.json").write_text("{}")
+    for extra in ((), ("--overwrite",)):
+        assert main(_train(tiny_model_dir, comparison, 1, *extra)) == 2
+        message = _error(capsys)
+        assert "holds files that are not a training run's (compare.json, dense/)" in message and "new or empty" in message
+    assert sorted(p.name for p in comparison.iterdir()) == ["compare.json", "dense"]
+
+
+def test_resume_to_fewer_steps_than_the_run_has_is_refused(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train(tiny_model_dir, out, 2)) == 0
+    assert main(_train(tiny_model_dir, out, 1, "--resume")) == 2
+    assert "already at step 2; give --steps 2 or more" in _error(capsys)
+    assert main(_train(tiny_model_dir, out, 2, "--resume")) == 0  # the same length: nothing to do, no error
+    assert _steps(out) == [0, 1, 2]
+
+
 # ---------------------------------------------------------------------------- 2. two processes
 def test_a_locked_directory_names_the_holder(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"

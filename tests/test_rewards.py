@@ -61,12 +61,14 @@ def test_math_verify_hand_cases(completion: str, label: str, expected: float) ->
 
 def test_math_jsonl_loads_and_splits() -> None:
     task = MathJsonlTask(FIXTURE)
-    # 12 records (the blank line is skipped): floor(10% of 12) = 1 test, 11 train. A split is
-    # drawn without repeats while it lasts, so 3 passes show exactly its records.
+    # 12 records (the blank line is skipped): floor(10% of 12) = 1 test, 11 train. The train split is
+    # drawn without repeats while it lasts, so 3 passes show exactly its records; the held-out one is never
+    # repeated (a prompt scored twice would count twice in an accuracy).
     train = task.examples(33, seed=0)
-    test = task.examples(3, seed=0, split="test")
+    with pytest.warns(UserWarning, match=r"the test split holds 1 example\(s\), fewer than the 3 asked for: each is used once"):
+        test = task.examples(3, seed=0, split="test")
     train_prompts, test_prompts = {e.prompt for e in train}, {e.prompt for e in test}
-    assert len(train_prompts) == 11 and len(test_prompts) == 1 and not train_prompts & test_prompts
+    assert len(train_prompts) == 11 and len(test) == len(test_prompts) == 1 and not train_prompts & test_prompts
     assert len(train_prompts | test_prompts) == 12
     by_prompt = {e.prompt: e.label for e in train + test}
     assert by_prompt["Solve for x: 3x = 12."] == "4"  # JSON number 4
@@ -108,6 +110,22 @@ def test_math_jsonl_bad_line(tmp_path: Path, bad_line: str, needles: list[str]) 
     assert "math.jsonl" in message
     for needle in needles:
         assert needle in message
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-8-sig"])
+def test_math_jsonl_text_encodings(tmp_path: Path, encoding: str) -> None:
+    """A file saved as UTF-16 (as Windows editors often do) is refused in one line that says how to convert it; a
+    UTF-8 file with a byte-order mark loads."""
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{n}+1?", "label": str(n + 1)}) + "\n" for n in range(4)),
+                    encoding=encoding)
+    if encoding == "utf-16":
+        with pytest.raises(DataError, match="not UTF-8 text .*save it as UTF-8"):
+            MathJsonlTask(path)
+    else:
+        task = MathJsonlTask(path)
+        assert sorted(e.label for e in task.examples(3, seed=0) + task.examples(1, seed=0, split="test")) == \
+            ["1", "2", "3", "4"]
 
 
 # --- ReasoningGymTask -------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_sweep_marks_a_huge_budget_as_dense(tmp_path, capsys):
     assert small["kv_saved"] == pytest.approx(1 - small["kv_peak_bytes"] / dense_peak)
     assert result["paper_regime_budget"] == 4096
     assert (tmp_path / "sweep.md").read_text().count("\n| ") == 3
-    assert "Paper regime: 4096" in capsys.readouterr().out
+    assert "Paper regime: B = 4096" in capsys.readouterr().out
 
 
 def test_block_sparse_sweep_counts_attention_reads_as_saved(tmp_path):

@@ -3,7 +3,7 @@
     sparserl warmup --out DIR                     # supervised warm start of the built-in model
     sparserl sft --model DIR --task TASK --out DIR   # a short supervised warm start of any model on a task
     sparserl train --out DIR --steps N --mode MODE --seed S [--config FILE] [--resume [auto]]
-    sparserl eval --out FILE.json [--model DIR|RUN_DIR] [--n N] [--inference dense|sparse|both]
+    sparserl eval --out FILE.json [--model DIR|RUN_DIR] [--n N] [--inference sparse|both|dense]
     sparserl sweep --out FILE.json [--budgets B,B,...]
     sparserl audit --out FILE.json --kv-budget B
     sparserl calibrate --out DIR [--alpha-tau 0.86] [--calibration-budgets B,B,...]   # a KV budget schedule (Sparrow)
@@ -66,15 +66,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"sparserl {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, registered in COMMANDS.items():
-        sub = commands.add_parser(name, help=registered.help, description=registered.help)
+        sub = commands.add_parser(name, help=registered.help, description=registered.help, allow_abbrev=False)
         if name == chosen:
             registered.add_arguments(sub)
             sub.set_defaults(handler=registered.run)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sparserl")
+    except PackageNotFoundError:  # run from a source tree (PYTHONPATH=src) without an install
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

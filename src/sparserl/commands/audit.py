@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import (
+    check_output_file,
     check_ranges,
     command,
     config_from_args,
@@ -26,6 +27,7 @@ def _arguments(sub) -> None:
 def _audit(args) -> int:
     from ..experiments.audit import audit_table, run_audit, write_audit
 
+    check_output_file(Path(args.out), "--out", "audit.json")
     check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1")})
 
     config = config_from_args(args)

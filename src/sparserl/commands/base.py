@@ -36,6 +36,24 @@ def common_arguments(sub: argparse.ArgumentParser, out_help: str | None = None) 
         sub.add_argument("--out", required=True, metavar="FILE.json", help=out_help)
 
 
+def settings_arguments(sub: argparse.ArgumentParser, settings_class: type, prefix: str) -> None:
+    """One `--flag` per field of a command's own settings dataclass (`SFTConfig`, `WarmupConfig`), into
+    `args.<prefix><field>` (None when not given), with the field's comment as help; a yes/no setting given alone
+    means yes. Fields without a default are set in code, not by flags."""
+    import dataclasses
+    import typing
+
+    from ..config.schema import field_help
+
+    hints, helps = typing.get_type_hints(settings_class), field_help(settings_class)
+    for f in dataclasses.fields(settings_class):
+        if f.default is dataclasses.MISSING:
+            continue
+        alone = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}
+        sub.add_argument("--" + f.name.replace("_", "-"), dest=prefix + f.name, default=None, **alone,
+                         metavar=hints[f.name].__name__.upper(), help=f"{helps.get(f.name, '')} (default: {f.default})")
+
+
 def inference_fields(*rollout: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The config flags of an inference command: the model and the task sections, the seed, the sparse sampler's
     settings and the limits on rows in flight (`config.schema`), the rollout fields `rollout` it also reads, less
@@ -100,11 +118,27 @@ def write_jsonl(out: Path, records: list[dict], flag: str) -> None:
     _write_text(out, "".join(json.dumps(record) + "\n" for record in records), flag, "answers.jsonl")
 
 
-def _write_text(out: Path, text: str, flag: str, example_name: str) -> None:
+def check_output_file(out: Path, flag: str, example_name: str) -> None:
+    """Refuse, before any work, a file path that cannot be written: a directory, or one under a file or a directory
+    this user cannot write to."""
+    import os
+
     from ..errors import ConfigError
 
     if out.is_dir():
         raise ConfigError(f"{flag} {out} is a directory; give a file name such as {out / example_name}")
+    ancestor = out.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK):
+        raise ConfigError(f"{flag} {out}: {ancestor} is {'a file' if not ancestor.is_dir() else 'not writable'}; "
+                          "choose a writable path")
+
+
+def _write_text(out: Path, text: str, flag: str, example_name: str) -> None:
+    from ..errors import ConfigError
+
+    check_output_file(out, flag, example_name)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .base import check_ranges, command, common_arguments, config_from_args, inference_fields
@@ -28,17 +29,23 @@ def _arguments(sub) -> None:
          _arguments)
 def _calibrate(args) -> int:
     from ..config.validation import calibration_budgets
+    from ..errors import ConfigError
     from ..experiments.calibrate import calibration_table, run_calibration
     from ..train.layout import CALIBRATION_PLOT_FILE, SCHEDULE_FILE
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory (it is created if missing)")
     config = config_from_args(args)
     rollout = config.rollout
     check_ranges(rollout, {"calibration_prompts": (1, float("inf"), "calibration prompts, at least 1"),
                            "calibration_samples": (1, float("inf"), "sampled rollouts per prompt, at least 1")})
-    result = run_calibration(config, Path(args.out), calibration_budgets(rollout), tau=rollout.alpha_tau,
+    budgets = calibration_budgets(rollout)
+    if (out / SCHEDULE_FILE).exists():
+        print(f"calibrate: replacing the calibration in {out}", file=sys.stderr)
+    result = run_calibration(config, out, budgets, tau=rollout.alpha_tau,
                              bin_size=rollout.alpha_bin_size, prompts=rollout.calibration_prompts,
                              samples=rollout.calibration_samples)
     print(calibration_table(result))
-    out = Path(args.out)
     print(f"\nschedule: {out / SCHEDULE_FILE} (use it with --kv-schedule); plot: {out / CALIBRATION_PLOT_FILE}")
     return 0

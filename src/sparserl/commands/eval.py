@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..config.values import coerce
 from .base import (
+    check_output_file,
     check_ranges,
     command,
     inference_arguments,
@@ -34,14 +36,28 @@ def _arguments(sub) -> None:
 @command("eval", "held-out accuracy and pass@k, dense or sparse inference", _arguments)
 def _eval(args) -> int:
     from ..config.flags import overrides_from_args
-    from ..experiments.eval import config_for_eval, run_eval
+    from ..errors import ConfigError
+    from ..experiments.eval import config_for_eval, resolve_model, run_eval
 
     check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
                         "samples": (0, float("inf"), "samples per prompt for pass@k, 0 (none) or more")})
+    check_output_file(Path(args.out), "--out", "eval.json")
+    if args.answers:
+        check_output_file(Path(args.answers), "--answers", "answers.jsonl")
     overrides = overrides_from_args(args)
     config = config_for_eval(args.config, overrides)
     refuse_adaptive_schedule(config, "eval")
-    inference = args.inference or ("sparse" if any(k.startswith("kv_") for k in overrides) else "dense")
+    typed_kv = [k for k in overrides if k.startswith("kv_")]
+    if args.inference == "dense" and typed_kv:
+        flags = ", ".join("--" + k.replace("_", "-") for k in typed_kv)
+        raise ConfigError(f"--inference dense decodes with the whole cache, so {flags} would do nothing; drop it, "
+                          "or ask --inference sparse or both")
+    inference = args.inference or ("sparse" if typed_kv else "dense")
+    if args.inference is None and inference == "dense" and (args.config or resolve_model(config.model.model)[1]):
+        rollout = config.rollout
+        sampler = "block-sparse attention" if rollout.sparsity == "block" else rollout.kv_policy
+        print(f"eval: dense inference (the default); --inference sparse or both decodes with the config's sparse "
+              f"sampler too ({sampler}, budget {rollout.kv_budget})", file=sys.stderr)
     answers: list[dict] | None = [] if args.answers else None
     result = run_eval(config, n=args.n, samples=args.samples, inference=inference, measure_alpha=args.alpha,
                       answers=answers)

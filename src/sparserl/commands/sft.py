@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 
-from .base import command, common_arguments
+from .base import command, common_arguments, settings_arguments
 
 
 def _arguments(sub) -> None:
-    import dataclasses
-    import typing
-
     from ..config.flags import add_config_arguments
-    from ..config.schema import SFTConfig, field_help
+    from ..config.schema import SFTConfig
 
     common_arguments(sub)
-    hints, helps = typing.get_type_hints(SFTConfig), field_help(SFTConfig)
-    for f in dataclasses.fields(SFTConfig):
-        sub.add_argument("--" + f.name.replace("_", "-"), dest=f"sft__{f.name}", default=None,
-                         metavar=hints[f.name].__name__.upper(), help=f"{helps.get(f.name, '')} (default: {f.default})")
+    settings_arguments(sub, SFTConfig, "sft__")
     add_config_arguments(sub, only=("model", "task", "seed"))
 
 

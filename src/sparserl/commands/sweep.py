@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import (
+    check_output_file,
     check_ranges,
     command,
     config_from_args,
@@ -30,12 +31,17 @@ def _sweep(args) -> int:
     from ..errors import ConfigError
     from ..experiments.sweep import run_sweep, sweep_table, write_sweep
 
+    check_output_file(Path(args.out), "--out", "sweep.json")
     check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
                         "sample_prompts": (1, float("inf"), "prompts for the sampled rollouts, at least 1"),
                         "samples": (1, float("inf"), "samples per prompt, at least 1")})
 
     budgets = int_list(args.budgets, "budgets", minimum=1)
     config = config_from_args(args)
+    below = [b for b in budgets if b <= config.rollout.kv_window]
+    if below:
+        raise ConfigError(f"--budgets: {', '.join(map(str, below))} do(es) not exceed kv_window "
+                          f"({config.rollout.kv_window}), which every budget must (as `train` requires of --kv-budget)")
     if config.rollout.kv_schedule:
         raise ConfigError(f"sparserl sweep tries the fixed budgets of --budgets; the config's kv_schedule "
                           f"({config.rollout.kv_schedule}) would override them: leave it out")

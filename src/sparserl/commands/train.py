@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..config.values import coerce
 from .base import command, common_arguments, config_from_args
 
 
@@ -12,7 +15,9 @@ def _arguments(sub) -> None:
     sub.add_argument("--resume", nargs="?", const="must", default="never", choices=["auto", "must"], metavar="auto",
                      help="continue the run in --out from its latest intact checkpoint (an error if there is none); "
                           "--resume auto starts from scratch when there is none")
-    sub.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start again")
+    sub.add_argument("--overwrite", nargs="?", const=True, default=False, metavar="BOOL",
+                     type=lambda value: coerce(value, bool, "--overwrite"),
+                     help="delete the run already in --out (only the files a run writes) and start again")
     sub.add_argument("--allow-config-change", action="store_true",
                      help="let --resume continue with settings that differ from the run's (listed in a warning); "
                           "steps, checkpointing, evaluation cadence, logging and threads may always change")
@@ -21,12 +26,16 @@ def _arguments(sub) -> None:
 
 @command("train", "train a policy with GRPO (dense or sparse rollouts)", _arguments)
 def _train(args) -> int:
+    from ..train.layout import CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR
     from ..train.trainer import GRPOTrainer
 
     config = config_from_args(args)
     trainer = GRPOTrainer(config, resume=args.resume, overwrite=args.overwrite,
                           allow_config_change=args.allow_config_change)
     state = trainer.train()
-    print(f"done: {state.step} steps in {config.output.out} (metrics.jsonl, tensorboard/, checkpoints/; "
-          f"skipped updates: {state.skipped_steps}; steps that rejected most tokens: {state.starving_steps})")
+    out = Path(config.output.out)
+    written = [name + "/" * (out / name).is_dir() for name in (METRICS_FILE, TENSORBOARD_DIR, CHECKPOINT_DIR)
+               if (out / name).exists()]
+    print(f"done: {state.step} steps in {out} ({', '.join(written)}; skipped updates: {state.skipped_steps}; "
+          f"steps that rejected most tokens: {state.starving_steps})")
     return 0

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 
-from .base import command
+from .base import command, settings_arguments
 
 
 def _arguments(sub) -> None:
-    import dataclasses
-    import typing
+    from ..config.schema import WarmupConfig
 
-    from ..config.schema import WarmupConfig, field_help
-
-    hints, helps = typing.get_type_hints(WarmupConfig), field_help(WarmupConfig)
-    for f in dataclasses.fields(WarmupConfig):
-        if f.default is dataclasses.MISSING:
-            continue  # the curriculum is set in code
-        sub.add_argument("--" + f.name.replace("_", "-"), dest=f"dc__{f.name}", default=None,
-                         metavar=hints[f.name].__name__.upper(), help=f"{helps.get(f.name, '')} (default: {f.default})")
+    settings_arguments(sub, WarmupConfig, "dc__")
 
 
 @command("warmup", "warm-start the built-in model by supervised learning", _arguments)

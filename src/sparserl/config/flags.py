@@ -27,10 +27,17 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
         if section == "correction":
             shown = "set by --mode"
+        # A yes/no setting given alone means yes (`--overwrite`, as `--overwrite true`).
+        alone = {"nargs": "?", "const": "true"} if annotation is bool else {}
         groups[section].add_argument(
-            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None,
+            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None, **alone,
             metavar=_named_choices(name) or _metavar(annotation),
-            help=f"{helps.get(name, '')} (default: {shown})".replace("%", "%%"))  # argparse formats help with %
+            help=_with_default(helps.get(name, ""), shown).replace("%", "%%"))  # argparse formats help with %
+
+
+def _with_default(text: str, shown: Any) -> str:
+    """The field's help and its default, unless its comment says the default in its own words."""
+    return text if "(default:" in text else f"{text} (default: {shown})"
 
 
 def _named_choices(name: str) -> str | None:

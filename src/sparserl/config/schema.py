@@ -287,6 +287,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, raw in values.items():
         name = key.replace("-", "_")
         if name not in index:
+            if isinstance(raw, dict):  # a mapping under an unknown name: a misspelt section
+                close = difflib.get_close_matches(name, list(_sections()), n=3, cutoff=0.6)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown config section {key!r}{hint}; the sections are "
+                                  f"{', '.join(_sections())}")
             close = difflib.get_close_matches(name, list(index), n=3, cutoff=0.6)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}; `sparserl train --help` lists them all")

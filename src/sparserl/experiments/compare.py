@@ -55,6 +55,11 @@ def run_compare(config_for_mode: Callable[[str], ExperimentConfig], modes: list[
         names = {mode: preset_name(mode) for mode in modes}
     except PresetError as error:
         raise ConfigError(f"--modes: {error}") from None
+    clashes = {name for name in names.values() if list(names.values()).count(name) > 1}
+    if clashes:
+        raise ConfigError(f"--modes: {', '.join(m for m in modes if names[m] in clashes)} share the run name "
+                          f"{' and '.join(sorted(clashes))} (a preset's `name`, else its file's stem), so their runs "
+                          "would share one directory; rename one")
     if not seeds or len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds: give distinct integer seeds, e.g. 0,1,2 (got {seeds})")
     base = config_for_mode(modes[0])
@@ -89,6 +94,7 @@ def _run_jobs(config: ExperimentConfig, config_for_mode: Callable[[str], Experim
     record["seeds"] = record.get("seeds", []) + [s for s in seeds if s not in record.get("seeds", [])]
     manifest.write_text(json.dumps(record, indent=2, default=list))
     jobs = [(seed, mode) for seed in seeds for mode in names]
+    _extend_to(config.train.steps, [out / names[mode] / f"seed{seed}" for seed, mode in jobs])
     for index, (seed, mode) in enumerate(jobs, start=1):
         run_dir = out / names[mode] / f"seed{seed}"
         if (run_dir / FINAL_EVAL_FILE).exists():
@@ -106,6 +112,22 @@ def _run_jobs(config: ExperimentConfig, config_for_mode: Callable[[str], Experim
     print(paper_table(out))
     print(f"\nreport: {report}")
     return report
+
+
+def _extend_to(steps: int, run_dirs: list[Path]) -> None:
+    """Before any work: refuse `--steps` below what a run of the comparison has trained (its steps cannot be undone),
+    and mark a finished run with fewer steps unfinished, so that it resumes to `steps` and is evaluated again."""
+    trained = {run_dir: max((r["step"] for r in read_metrics(run_dir / METRICS_FILE)), default=0)
+               for run_dir in run_dirs if (run_dir / METRICS_FILE).exists()}
+    longer = {run_dir: n for run_dir, n in trained.items() if n > steps}
+    if longer:
+        listing = ", ".join(f"{run_dir.parent.name}/{run_dir.name}: {n}" for run_dir, n in longer.items())
+        raise ConfigError(f"--steps {steps}: runs of this comparison have trained more steps ({listing}); give "
+                          f"--steps {max(longer.values())} or more to extend them, or another --out")
+    for run_dir, n in trained.items():
+        if n < steps and (run_dir / FINAL_EVAL_FILE).exists():
+            log.info("%s/%s: trained %d steps, extending it to %d", run_dir.parent.name, run_dir.name, n, steps)
+            (run_dir / FINAL_EVAL_FILE).unlink()
 
 
 def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:

@@ -47,7 +47,7 @@ def sft(config, settings: SFTConfig) -> dict:
     probes = task.examples(settings.probe_examples, seed=config.train.seed + PROBE_SEED_OFFSET, split="test")
     if any(e.demonstration is None for e in probes):
         raise UserError(f"task {config.task.task} has no demonstrations to learn from; sft needs a task that "
-                        "writes its answers (pointer_walk, running_total)")
+                        "writes its answers (counted_progression, pointer_walk, running_total)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0,
                                   fused=model.device.type in ("cpu", "cuda"))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / settings.warmup_steps))

@@ -133,8 +133,12 @@ def sweep_table(result: dict) -> str:
                  f"policy {sparsity['policy']}, window {sparsity['window']}, interval {sparsity['interval']}")
     return (f"Dense greedy accuracy {100 * d['accuracy']:.1f}%{exact} on {result['examples']} held-out prompts; "
             f"{described}.\n\n"
-            + "\n".join(lines) + f"\n\nPaper regime: {result['paper_regime_budget']}; stress regime: "
-            f"{result['stress_regime_budget']} (rules: {json.dumps(result['rule'])}).")
+            + "\n".join(lines) + f"\n\nPaper regime: {_named(result['paper_regime_budget'])}; stress regime: "
+            f"{_named(result['stress_regime_budget'])} (rules: {json.dumps(result['rule'])}).")
+
+
+def _named(budget: int | None) -> str:
+    return "no budget of the grid meets its rule" if budget is None else f"B = {budget}"
 
 
 def write_sweep(result: dict, out: Path) -> None:

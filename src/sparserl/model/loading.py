@@ -138,6 +138,9 @@ def own_aligned_memory(model: torch.nn.Module) -> None:
 
 
 def check_model_dir(directory: Path) -> None:
+    if directory.is_file():
+        raise ModelFilesError(f"--model {directory} is a file; give the directory that holds the model (config.json, "
+                              "weights, tokenizer), as written by `save_pretrained`")
     if not directory.is_dir():
         hint = (
             " The built-in model is missing from the package: run `sparserl warmup --out DIR` "
@@ -149,7 +152,7 @@ def check_model_dir(directory: Path) -> None:
     missing = [name for name in ("config.json",) if not (directory / name).exists()]
     weights = list(directory.glob("*.safetensors")) + list(directory.glob("*.bin"))
     if not weights:
-        missing.append("*.safetensors (model weights)")
+        missing.append("model weights (*.safetensors or *.bin)")
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((directory / name).exists() for name in tokenizer_files):
         missing.append("tokenizer files (tokenizer.json or tokenizer_config.json)")
@@ -208,7 +211,9 @@ def _explain_load_failure(error: Exception, directory: Path, config: dict, devic
         return ModelFilesError(f"the weights in {directory} do not fit its config.json (tensor shapes differ: see "
                                "the load report above); config.json was edited or belongs to another model: put "
                                "back the config.json saved with these weights")
-    if isinstance(error, SafetensorError) or (isinstance(error, RuntimeError) and "PytorchStreamReader" in message):
+    # torch's reader of a cut .bin raises a RuntimeError or, in some versions, a bare OSError (EINVAL).
+    if isinstance(error, SafetensorError) or (isinstance(error, RuntimeError) and "PytorchStreamReader" in message) \
+            or (type(error) is OSError and _damaged_weight_files(directory)):
         files = ", ".join(_damaged_weight_files(directory)) or "a weights file"
         detail = _first_line(error).split(". ")[0]  # torch's reader goes on with general advice
         return ModelFilesError(f"{files} in {directory} is damaged ({detail}), e.g. cut short by an "

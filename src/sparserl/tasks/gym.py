@@ -112,7 +112,7 @@ class ReasoningGymTask:
 
     def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
         rng = random.Random(f"{self.name}/{split}/{seed}")
-        return seeded_sample(self._pool(split), count, rng)
+        return seeded_sample(self._pool(split), count, rng, split)
 
     def reward(self, completions: list[Any], **kwargs: Any) -> list[float]:
         from reasoning_gym.utils import extract_answer

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,13 +33,19 @@ T = TypeVar("T")
 SPLITS = ("train", "test")
 
 
-def seeded_sample(pool: Sequence[T], count: int, rng: random.Random) -> list[T]:
-    """`count` items of `pool` without repeats while it lasts, then further reshuffled passes.
+def seeded_sample(pool: Sequence[T], count: int, rng: random.Random, split: str = "train") -> list[T]:
+    """`count` items of `pool` without repeats while it lasts, then, for training, further reshuffled passes.
 
-    Passes rather than an error when `count > len(pool)`, so a small file still fills a batch.
+    Passes rather than an error when `count > len(pool)`, so a small file still fills a batch. A held-out split
+    (`split` "test") is never repeated: a prompt scored twice would count twice in its accuracy, so it gives each
+    item once and warns.
     """
     if not pool:
         raise DataError("cannot sample from an empty split")
+    if split != "train" and count > len(pool):
+        warnings.warn(f"the {split} split holds {len(pool)} example(s), fewer than the {count} asked for: each is "
+                      "used once (ask for at most that many, or give a larger data file)", stacklevel=3)
+        count = len(pool)
     out: list[T] = []
     while len(out) < count:
         take = min(count - len(out), len(pool))
@@ -101,12 +108,12 @@ class MathJsonlTask:
     def _load(self) -> list[Example]:
         if not self.path.is_file():
             raise DataError(f"{self.path}: no such file; set --data-path (data_path in a config's task section)")
-        records = []
-        with self.path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    records.append(self._record(line, lineno))
-        return records
+        try:
+            lines = self.path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading BOM is no error
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{self.path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8, "
+                            "e.g. `iconv -f UTF-16 -t UTF-8 FILE > NEW`") from None
+        return [self._record(line, lineno) for lineno, line in enumerate(lines, start=1) if line.strip()]
 
     def _record(self, line: str, lineno: int) -> Example:
         where = f"{self.path} line {lineno}"
@@ -146,7 +153,7 @@ class MathJsonlTask:
         if split not in self._splits:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         rng = random.Random(f"{self.name}/{split}/{seed}")
-        return seeded_sample(self._splits[split], count, rng)
+        return seeded_sample(self._splits[split], count, rng, split)
 
     def reward(self, completions: list[str], **kwargs: Any) -> list[float]:
         return math_verify_reward(completions, **kwargs)

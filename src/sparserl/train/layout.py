@@ -23,6 +23,9 @@ TRAINER_STATE_FILE = "trainer_state.json"  # inside a checkpoint: step and count
 ADAPTER_DIR = "sampler_adapter"  # inside a checkpoint: DistillSparse's adapter and its optimizer
 ADAPTER_WEIGHTS_FILE = "adapter.safetensors"  # inside ADAPTER_DIR
 MANIFEST_FILE = "manifest.json"  # inside a checkpoint: every file's digest, written last (an intact checkpoint has it)
+# What a training run writes at its top level (and their atomic-write temporaries): all that --overwrite deletes.
+RUN_ENTRIES = frozenset({LOCK_FILE, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR, FINAL_EVAL_FILE,
+                         CHECKPOINT_DIR})
 COMPARE_FILE = "compare.json"
 REPORT_FILE = "report.md"
 SCHEDULE_FILE = "schedule.yaml"  # a calibration's budget schedule, for --kv-schedule

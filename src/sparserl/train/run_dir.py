@@ -3,7 +3,9 @@
 `open_run_dir` is the only way a trainer gets its directory. It refuses, with a message that says
 what to do, every case that would mix two runs or resume the wrong one:
 
-- a directory that already holds a run, without `--resume` (or `--overwrite`, which empties it);
+- a directory that already holds a run, without `--resume` (or `--overwrite`, which deletes the run's own files
+  and nothing else), and `--resume` with `--overwrite`;
+- a directory that holds no run but other files (a comparison, a user's data): a run needs its own;
 - `--resume` on a directory without a usable checkpoint (`--resume auto` starts fresh instead);
 - `--resume` with a config that changes anything defining the run (`RUN_FREE_FIELDS` may change;
   `--allow-config-change` lets the rest change, with a warning that lists it);
@@ -33,7 +35,7 @@ import yaml
 
 from ..config.schema import ExperimentConfig, save_config
 from ..errors import ConfigError
-from .layout import CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE
+from .layout import CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, RUN_ENTRIES
 
 # Fields that may differ on resume without changing what the run is: its length and its logging.
 # Where the rollouts run, and how many rows run at once, do not change the data (the shards do, and
@@ -115,7 +117,14 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
                  allow_config_change: bool = False) -> RunDir:
     from .checkpoint import latest_good_checkpoint
 
+    if overwrite and resume != "never":
+        raise ConfigError("--overwrite deletes the run that --resume would continue: pass one of them")
     path, created = make_output_dir(config.output.out)
+    foreign = sorted(entry.name + "/" * entry.is_dir() for entry in path.iterdir() if not _is_run_entry(entry.name))
+    if foreign and not holds_a_run(path):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"--out {path} holds files that are not a training run's ({shown}); a run needs a "
+                          "directory of its own: choose a new or empty --out")
     try:
         handle = open(path / LOCK_FILE, "a+")
     except OSError as error:
@@ -156,10 +165,17 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
     return run
 
 
+def _is_run_entry(name: str) -> bool:
+    # A crash can leave an atomic write's temporary behind (final_eval.json.tmp, metrics.tmp): the run's too.
+    return name in RUN_ENTRIES or name.endswith(".tmp") and any(
+        name in (entry + ".tmp", Path(entry).stem + ".tmp") for entry in RUN_ENTRIES)
+
+
 def _empty(path: Path) -> None:
-    """Delete everything in a run directory but the lock this process holds."""
+    """Delete the run in a directory, but the lock this process holds: only what a run writes, so that a user's own
+    files beside it (notes, an evaluation written there) stay."""
     for child in path.iterdir():
-        if child.name != LOCK_FILE:
+        if child.name != LOCK_FILE and _is_run_entry(child.name):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 

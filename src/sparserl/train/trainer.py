@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..config.corrections import CorrectionConfig
 from ..config.presets import load_preset
 from ..config.schema import ExperimentConfig, check_training_settings
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections, rejection_by_length
 from ..learner.distill import DistillTrainer, distill_config
@@ -152,6 +152,9 @@ class GRPOTrainer:
         self.state = TrainerState()
         if checkpoint is not None:
             self.state = load_trainer_state(checkpoint, self.optimizer)
+            if self.state.step > config.train.steps:
+                raise ConfigError(f"--steps {config.train.steps}: the run in {self.run.path} is already at step "
+                                  f"{self.state.step}; give --steps {self.state.step} or more to continue it")
         threads = set_threads(config.model.threads, self.model, recorded=self.state.threads)
         self.state.threads = threads.threads
         logging.getLogger(__name__).info("torch threads: %d (%s)", threads.threads, threads.reason)
