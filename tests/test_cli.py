@@ -377,6 +377,8 @@ def test_pass_at_k_hand_values():
     (["--calibration-prompts", "8"], "--calibration-prompts does nothing without --recalibrate-every N"),
     (["--worker-cpus", "2"], "--worker-cpus does nothing without --rollout-workers N"),
     (["--distill-rank", "4"], "--distill-rank does nothing without --distill-sparse true"),
+    (["--sparsity", "block", "--kv-policy", "snapkv"], "--kv-policy does nothing without --sparsity eviction"),
+    (["--sparsity", "block", "--kv-lambda", "0.3"], "--kv-lambda does nothing without --sparsity eviction"),
 ])
 def test_a_training_setting_that_nothing_would_read_is_refused(capsys, tmp_path, flags, needle):
     assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1", *flags]) == 2

@@ -342,6 +342,8 @@ DEPENDENT_SETTINGS: tuple[tuple[str, tuple[str, ...], Callable[[ExperimentConfig
     ("sparsity", ("block_page_size", "block_dense_layers"),
      lambda c: c.rollout.sparsity == "block" or (c.rollout.speculative and c.rollout.speculative_draft == "block"),
      "--sparsity block or a block-sparse speculative draft"),
+    ("sparsity", ("kv_policy", *policy_options()), lambda c: c.rollout.sparsity == "eviction",
+     "--sparsity eviction (block-sparse attention evicts nothing)"),
     ("recalibrate_every", ("calibration_budgets", "calibration_prompts", "calibration_samples"),
      lambda c: c.rollout.recalibrate_every > 0, "--recalibrate-every N"),
     ("rollout_workers", ("ray_address", "rollout_timeout", "worker_gpus", "worker_cpus"),
