@@ -179,6 +179,8 @@ def test_unknown_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--kv-budgett", "3"])
     assert info.value.code == 2
+    err = capsys.readouterr().err  # with the command's usage line, not the top level's
+    assert err.startswith("usage: sparserl train") and "unrecognized arguments: --kv-budgett 3" in err
 
 
 def test_eval_missing_model_says_what_to_do(capsys, tmp_path):
@@ -202,7 +204,7 @@ def test_eval_missing_model_says_what_to_do(capsys, tmp_path):
 def test_a_yes_no_setting_given_alone_means_yes(argv, read):
     from sparserl.cli import _build_parser
 
-    assert read(_build_parser(argv[0]).parse_args(argv))
+    assert read(_build_parser(argv[0])[0].parse_args(argv))
 
 
 def test_version(capsys):

@@ -305,7 +305,7 @@ def _parser(chosen: str | None):
     """The parser `main` builds for `sparserl CHOSEN ...` (building one reads the config's help: 0.1 s)."""
     from sparserl import cli
 
-    return cli._build_parser(chosen)
+    return cli._build_parser(chosen)[0]
 
 
 def _stop_at_job(*args, **kwargs):

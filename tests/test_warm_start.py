@@ -119,7 +119,7 @@ def test_sft_reads_its_section_of_a_config_file_and_refuses_training_settings_th
     from sparserl.cli import _build_parser
     from sparserl.commands.sft import sft_settings
 
-    parser = _build_parser("sft")
+    parser, _ = _build_parser("sft")
     good = tmp_path / "good.yaml"
     good.write_text("task: {task: running_total}\nsft: {lr: 2.0e-5, steps: 40, probe_every: 5}\n")
     config, settings = sft_settings(parser.parse_args(["sft", "--config", str(good), "--steps", "30"]))

@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     # each other by their share of the work, not by their spinning.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = _build_parser(chosen if chosen in COMMANDS else None)
-    args = parser.parse_args(argv)
+    parser, sub = _build_parser(chosen if chosen in COMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser, so that its usage line, not the top level's, comes with it
+        (sub or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.simplefilter("default")
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
@@ -65,17 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
+def _build_parser(chosen: str | None) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None]:
+    """The top-level parser, and the chosen command's (None if none is chosen)."""
     parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sparserl {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    chosen_parser = None
     for name, registered in COMMANDS.items():
         sub = commands.add_parser(name, help=registered.help, description=registered.help, allow_abbrev=False)
         if name == chosen:
             registered.add_arguments(sub)
             sub.set_defaults(handler=registered.run)
-    return parser
+            chosen_parser = sub
+    return parser, chosen_parser
 
 
 def _version() -> str:
