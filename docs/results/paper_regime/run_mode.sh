@@ -22,11 +22,6 @@ shift $(($# < 3 ? $# : 3))
 out=runs/cp2/${mode}-${name}_s${seed}
 records=docs/results/paper_regime/rl/${mode}-${name}_s${seed}
 export OMP_NUM_THREADS=1
-if [ ! -f models/smollm2-cp-k1-n12-16/model.safetensors ]; then
-  echo "run_mode.sh: the warm start models/smollm2-cp-k1-n12-16 is missing; make it with the first two commands of" \
-       "docs/results.md, \"The paper's regime on a real model\" (sparserl model smollm2-135m, then sparserl sft)" >&2
-  exit 1
-fi
 mkdir -p "$records"
 for steps in 14 28; do
   if [ ! -f "$records/eval_step$steps.json" ]; then
