@@ -43,14 +43,15 @@ def settings_arguments(sub: argparse.ArgumentParser, settings_class: type, prefi
     import dataclasses
     import typing
 
+    from ..config.flags import given_alone
     from ..config.schema import field_help
 
     hints, helps = typing.get_type_hints(settings_class), field_help(settings_class)
     for f in dataclasses.fields(settings_class):
         if f.default is dataclasses.MISSING:
             continue
-        alone = {"nargs": "?", "const": "true"} if hints[f.name] is bool else {}
-        sub.add_argument("--" + f.name.replace("_", "-"), dest=prefix + f.name, default=None, **alone,
+        sub.add_argument("--" + f.name.replace("_", "-"), dest=prefix + f.name, default=None,
+                         **given_alone(hints[f.name]),
                          metavar=hints[f.name].__name__.upper(), help=f"{helps.get(f.name, '')} (default: {f.default})")
 
 

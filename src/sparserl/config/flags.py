@@ -27,12 +27,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] 
         shown = "none" if default is None else ",".join(map(str, default)) if isinstance(default, tuple) else default
         if section == "correction":
             shown = "set by --mode"
-        # A yes/no setting given alone means yes (`--overwrite`, as `--overwrite true`).
-        alone = {"nargs": "?", "const": "true"} if annotation is bool else {}
         groups[section].add_argument(
-            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None, **alone,
+            "--" + name.replace("_", "-"), dest=f"cfg__{name}", default=None, **given_alone(annotation),
             metavar=_named_choices(name) or _metavar(annotation),
             help=_with_default(helps.get(name, ""), shown).replace("%", "%%"))  # argparse formats help with %
+
+
+def given_alone(annotation: Any) -> dict[str, str]:
+    """For a yes/no setting, what lets its flag alone mean yes (`--overwrite`, as `--overwrite true`)."""
+    return {"nargs": "?", "const": "true"} if annotation is bool else {}
 
 
 def _with_default(text: str, shown: Any) -> str:
