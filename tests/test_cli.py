@@ -229,6 +229,10 @@ def test_an_abbreviated_flag_is_not_taken_for_another(capsys, tmp_path):
     (["sweep", "--out", "{tmp}/s.json", "--budgets", "4,40"], "--budgets: 4 do(es) not exceed kv_window (8)"),
     (["eval", "--out", "{tmp}/e.json", "--inference", "dense", "--kv-budget", "12", "--n", "1"],
      "--inference dense decodes with the whole cache, so --kv-budget would do nothing"),
+    (["train", "--out", "{tmp}/r", "--mode", "geo-rs", "--is-cap", "3"],
+     "--is-cap would do nothing: mode geo-rs weights every token by 1 (is_mode none)"),
+    (["compare", "--out", "{tmp}/c", "--modes", "dense,sparse-rs", "--is-level", "sequence", "--batch-normalize"],
+     "--is-level, --batch-normalize would do nothing: modes dense, sparse-rs weight every token by 1"),
 ])
 def test_an_output_or_option_that_cannot_work_is_refused_before_any_work(capsys, tmp_path, monkeypatch, argv,
                                                                           needle):
@@ -237,6 +241,20 @@ def test_an_output_or_option_that_cannot_work_is_refused_before_any_work(capsys,
     argv = [part.format(tmp=tmp_path) for part in argv] + ["--model", str(tmp_path / "no-model")]
     assert main(argv) == 2
     assert needle.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--mode", "geo-rs", "--is-cap", "3", "--is-mode", "truncate"],  # the flag now weights
+    ["compare", "--modes", "dense,geo-rs,sparse-rl", "--is-cap", "3"],  # sparse-rl weights by ξ
+    ["train", "--config", "{tmp}/saved.yaml"],  # a saved config names every field, the idle ones too
+])
+def test_a_weight_setting_that_some_mode_uses_is_not_refused(capsys, tmp_path, argv):
+    (tmp_path / "saved.yaml").write_text("train: {mode: geo-rs}\ncorrection: {is_mode: none, is_cap: 1.5}\n")
+    argv = [part.format(tmp=tmp_path) for part in argv] + ["--out", str(tmp_path / "r"), "--model",
+                                                           str(tmp_path / "no-model")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "would do nothing" not in err and "no-model" in err  # it went on, as far as loading the model
 
 
 def test_eval_says_which_inference_it_chose_for_a_sparse_config(tiny_model_dir, tmp_path, capsys):

@@ -79,6 +79,25 @@ def config_from_args(args):
     return load_config(args.config, overrides_from_args(args))
 
 
+WEIGHT_FIELDS = ("is_cap", "is_level", "batch_normalize")  # what shapes an importance weight, idle under unit weights
+
+
+def refuse_idle_weight_flags(args, configs) -> None:
+    """A `--is-cap`, `--is-level` or `--batch-normalize` typed for modes that all weight by ones (is_mode none:
+    geo-rs, the rejection presets, dense) would change nothing: say so rather than run without it. Only typed
+    flags are checked: a run's saved config.yaml names every field, the idle ones too."""
+    from ..config.flags import overrides_from_args
+    from ..errors import ConfigError
+
+    typed = [name for name in WEIGHT_FIELDS if name in overrides_from_args(args)]
+    unweighted = [config.train.mode for config in configs if config.correction.is_mode == "none"]
+    if typed and configs and len(unweighted) == len(configs):
+        flags = ", ".join("--" + name.replace("_", "-") for name in typed)
+        modes = f"mode {unweighted[0]} weights" if len(unweighted) == 1 else f"modes {', '.join(unweighted)} weight"
+        raise ConfigError(f"{flags} would do nothing: {modes} every token by 1 (is_mode none); "
+                          "add --is-mode truncate|clip|mask to weight by ξ, or drop it")
+
+
 def refuse_adaptive_schedule(config, command: str) -> None:
     """An adaptive schedule moves the budget between training steps from the α it measures: an inference command
     would only ever sample at its starting budget."""

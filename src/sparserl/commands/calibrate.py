@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from .base import check_ranges, command, common_arguments, config_from_args, inference_fields
 
@@ -29,13 +28,11 @@ def _arguments(sub) -> None:
          _arguments)
 def _calibrate(args) -> int:
     from ..config.validation import calibration_budgets
-    from ..errors import ConfigError
     from ..experiments.calibrate import calibration_table, run_calibration
     from ..train.layout import CALIBRATION_PLOT_FILE, SCHEDULE_FILE
+    from ..train.run_dir import check_output_dir
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a directory (it is created if missing)")
+    out = check_output_dir(args.out)
     config = config_from_args(args)
     rollout = config.rollout
     check_ranges(rollout, {"calibration_prompts": (1, float("inf"), "calibration prompts, at least 1"),

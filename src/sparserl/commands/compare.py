@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import command, common_arguments, int_list
+from .base import command, common_arguments, int_list, refuse_idle_weight_flags
 
 
 def _arguments(sub) -> None:
@@ -44,5 +44,17 @@ def _compare(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     seeds = [config_for_mode(modes[0] if modes else DEFAULT_COMPARE[0]).train.seed] if args.seeds is None \
         else int_list(args.seeds, "seeds", minimum=0)
+    if all(_is_preset(mode) for mode in modes):  # else run_compare names the unknown mode, with the known ones
+        refuse_idle_weight_flags(args, [config_for_mode(mode) for mode in modes])
     run_compare(config_for_mode, modes, seeds)
     return 0
+
+
+def _is_preset(mode: str) -> bool:
+    from ..config.presets import PresetError, load_preset
+
+    try:
+        load_preset(mode)
+    except PresetError:
+        return False
+    return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config.values import coerce
-from .base import command, common_arguments, config_from_args
+from .base import command, common_arguments, config_from_args, refuse_idle_weight_flags
 
 
 def _arguments(sub) -> None:
@@ -30,6 +30,7 @@ def _train(args) -> int:
     from ..train.trainer import GRPOTrainer
 
     config = config_from_args(args)
+    refuse_idle_weight_flags(args, [config])
     trainer = GRPOTrainer(config, resume=args.resume, overwrite=args.overwrite,
                           allow_config_change=args.allow_config_change)
     state = trainer.train()

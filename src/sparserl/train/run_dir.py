@@ -99,11 +99,17 @@ def holds_a_run(path: Path) -> bool:
     return any((path / name).exists() for name in (METRICS_FILE, CHECKPOINT_DIR, CONFIG_FILE))
 
 
-def make_output_dir(out: str | Path) -> tuple[Path, bool]:
-    """`--out` as a directory, created if missing: (its path, whether this call created it)."""
+def check_output_dir(out: str | Path) -> Path:
+    """`--out` as a directory that may not exist yet: refused if it is a file, before any work."""
     path = Path(out).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path} is a file; give a directory (it is created if missing)")
+    return path
+
+
+def make_output_dir(out: str | Path) -> tuple[Path, bool]:
+    """`--out` as a directory, created if missing: (its path, whether this call created it)."""
+    path = check_output_dir(out)
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
