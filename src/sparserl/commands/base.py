@@ -84,8 +84,8 @@ WEIGHT_FIELDS = ("is_cap", "is_level", "batch_normalize")  # what shapes an impo
 
 def refuse_idle_weight_flags(args, configs) -> None:
     """A `--is-cap`, `--is-level` or `--batch-normalize` typed for modes that all weight by ones (is_mode none:
-    dense, naive-sparse and the presets that only reject) would change nothing: say so rather than run without it. Only typed
-    flags are checked: a run's saved config.yaml names every field, the idle ones too."""
+    dense, naive-sparse and the presets that only reject) would change nothing: say so rather than run without it.
+    Only typed flags are checked: a run's saved config.yaml names every field, the idle ones too."""
     from ..config.flags import overrides_from_args
     from ..errors import ConfigError
 

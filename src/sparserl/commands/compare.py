@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .base import command, common_arguments, int_list, refuse_idle_weight_flags
+
+if TYPE_CHECKING:
+    from ..config.presets import Preset
 
 
 def _arguments(sub) -> None:
@@ -25,7 +30,7 @@ def _arguments(sub) -> None:
          _arguments)
 def _compare(args) -> int:
     from ..config.flags import overrides_from_args
-    from ..config.presets import DEFAULT_COMPARE, PresetError, load_preset
+    from ..config.presets import DEFAULT_COMPARE
     from ..config.schema import load_config, switched_off
     from ..experiments.compare import run_compare
 
@@ -33,28 +38,25 @@ def _compare(args) -> int:
 
     def config_for_mode(mode: str):
         settings = {**overrides, "mode": mode}
-        try:
-            dense = not load_preset(mode).sparse_rollouts
-        except PresetError:
-            dense = False  # run_compare names the unknown mode
-        if dense:  # DistillSparse and recalibration belong to sparse samplers; the dense baseline runs without
+        preset = _preset_or_none(mode)  # None: run_compare names the unknown mode
+        # DistillSparse and recalibration belong to sparse samplers; the dense baseline runs without
+        if preset is not None and not preset.sparse_rollouts:
             settings.update(switched_off("distill_sparse", "recalibrate_every"))
         return load_config(args.config, settings)
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     seeds = [config_for_mode(modes[0] if modes else DEFAULT_COMPARE[0]).train.seed] if args.seeds is None \
         else int_list(args.seeds, "seeds", minimum=0)
-    if all(_is_preset(mode) for mode in modes):  # else run_compare names the unknown mode, with the known ones
+    if all(_preset_or_none(mode) is not None for mode in modes):  # else run_compare names the unknown one
         refuse_idle_weight_flags(args, [config_for_mode(mode) for mode in modes])
     run_compare(config_for_mode, modes, seeds)
     return 0
 
 
-def _is_preset(mode: str) -> bool:
+def _preset_or_none(mode: str) -> Preset | None:
     from ..config.presets import PresetError, load_preset
 
     try:
-        load_preset(mode)
+        return load_preset(mode)
     except PresetError:
-        return False
-    return True
+        return None
