@@ -40,7 +40,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "docs/results.md", "docs/benchmarks.md", "docs/interop.md", "bench/README.md")
+# The README, every page under docs/ and docs/results/ (the study pages; a new page is checked without being listed)
+# and bench/README.md.
+DOCUMENTS = ("README.md", *(path.relative_to(ROOT).as_posix() for folder in ("docs", "docs/results")
+                           for path in sorted((ROOT / folder).glob("*.md"))), "bench/README.md")
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 # An unlabelled block is a command block when its first line starts with one of these (else it is output).
 COMMAND_WORDS = {"sparserl", "python", "python3", "bash", "cd", "pip", "ray"}
