@@ -174,3 +174,29 @@ def test_a_model_too_big_for_the_gpu_is_named_as_out_of_memory(tiny_model_dir):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_the_paper_rollout_bench_runs_as_a_cpu_dry_run(tmp_path):
+    """`bench/paper_rollout.py --device cpu --small`: dense, R-KV and SnapKV rollouts, cold and warm, and a dense and
+    a sparse-rl GRPO step; the sparse peaks are the budget's bytes, dense's the whole sequence's (computed here from
+    the dry run's shapes: 2 layers × keys and values × 2 KV heads × 16 dims × 4 bytes a token, 8 rows)."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "paper_rollout.py"
+    out = tmp_path / "paper.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), "--device", "cpu", "--small",
+                           "--prompts", "1", "--step-prompts", "1"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in records if r["what"] in ("error", "skipped")], records
+    rollouts = {(r["method"], r["run"]): r for r in records if r["what"] == "rollout"}
+    assert set(rollouts) == {(m, run) for m in ("dense", "rkv", "snapkv") for run in ("cold", "warm")}
+    token_bytes, rows, prompt, new, budget, interval = 2 * 2 * 2 * 16 * 4, 8, 32, 192, 48, 16
+    for (method, _), record in rollouts.items():
+        assert record["tokens"] == rows * new  # EOS suppressed: every row runs to the end
+        expected = (prompt + new if method == "dense" else budget + interval) * rows * token_bytes
+        assert record["kv_peak_bytes"] == expected, (method, record["kv_peak_bytes"], expected)
+    steps = {r["mode"]: r for r in records if r["what"] == "grpo-step"}
+    assert set(steps) == {"dense", "sparse-rl"} and steps["dense"]["kept_token_frac"] == 1.0
+    assert all(r["rollout_s"] > 0 and r["recompute_s"] > 0 and r["update_s"] > 0 for r in steps.values())
+    assert "| method | run |" in done.stdout and "| GRPO step |" in done.stdout

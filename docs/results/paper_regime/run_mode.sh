@@ -8,6 +8,9 @@
 #
 #   bash docs/results/paper_regime/run_mode.sh MODE SEED [NAME TRAIN_FLAGS...]
 #
+# STOPS (environment, default "14 28") names the steps at which the run stops to be evaluated; the nine-seed verdict
+# study (verdict_study.sh) stops at 14 only.
+#
 # NAME (default b32-credit, the config's settings) names a setting; TRAIN_FLAGS override the config's (e.g.
 # `b32-lr1e-5 --lr 1e-5`; the exact-answer reward alone: `b32 --reward-funcs task --reward-weights 1`). The run goes
 # to runs/cp2/MODE-NAME_sSEED; its records (metrics.jsonl, samples.jsonl, config.yaml, eval_step14/28.json and every
@@ -23,7 +26,7 @@ out=runs/cp2/${mode}-${name}_s${seed}
 records=docs/results/paper_regime/rl/${mode}-${name}_s${seed}
 export OMP_NUM_THREADS=1
 mkdir -p "$records"
-for steps in 14 28; do
+for steps in ${STOPS:-14 28}; do
   if [ ! -f "$records/eval_step$steps.json" ]; then
     sparserl train --config configs/smollm2-counted-progression.yaml --model models/smollm2-cp-k1-n12-16 \
         --mode "$mode" --seed "$seed" --steps "$steps" --out "$out" --resume auto "$@"
