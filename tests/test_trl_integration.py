@@ -19,7 +19,7 @@ from sparserl.errors import ConfigError
 from sparserl.integrations.trl import SparseGRPOTrainer, SparseRollouts, check_trainer, generation_seeds
 from sparserl.interop import corrections_from_trl
 from sparserl.learner.corrections import compute_corrections
-from sparserl.learner.grpo import ppo_loss, token_coefficients
+from sparserl.learner.grpo import kl_k3, ppo_loss, token_coefficients
 from sparserl.model.forward import response_logprobs
 from sparserl.model.loading import load_policy
 from sparserl.tasks.pointer_walk import PointerWalkTask
@@ -48,9 +48,10 @@ def _rows() -> list[dict]:
     return [{"prompt": e.prompt} for e in TASK.examples(2, seed=0) for _ in range(4)]
 
 
-def _trainer(cls, model, tokenizer, tmp_path, loss_type="grpo", **kwargs):
+def _trainer(cls, model, tokenizer, tmp_path, loss_type="grpo", settings: dict | None = None, **kwargs):
+    """A trainer of `cls` on 8 pointer-walk prompts; `settings`: GRPOConfig's beyond `_config`'s."""
     dataset = Dataset.from_list([{"prompt": e.prompt} for e in TASK.examples(8, seed=0)])
-    trainer = cls(model=model, reward_funcs=_by_length, args=_config(tmp_path, loss_type),
+    trainer = cls(model=model, reward_funcs=_by_length, args=_config(tmp_path, loss_type, **(settings or {})),
                   train_dataset=dataset, processing_class=tokenizer, **kwargs)
     trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop, which these tests skip
     return trainer
@@ -122,30 +123,52 @@ def test_the_masks_and_weights_trl_applies_are_compute_corrections(tmp_path, mon
     assert trainer._metrics["train"]["sparserl/xi_mean"]  # the correction's metrics reach TRL's logger
 
 
-@pytest.mark.parametrize(("loss_type", "aggregation"), [("grpo", "seq-mean-token-mean"), ("dapo", "token-mean")])
-def test_trls_loss_with_the_corrections_is_sparserls_ppo_loss(tmp_path, loss_type, aggregation):
-    model, tokenizer = make_tiny_model(seed=3)
-    trainer = _trainer(SparseGRPOTrainer, model, tokenizer, tmp_path, loss_type,
+
+@pytest.mark.parametrize(("loss_type", "aggregation", "beta", "bias_correction"), [
+    ("grpo", "seq-mean-token-mean", 0.0, True), ("dapo", "token-mean", 0.0, True),
+    ("grpo", "seq-mean-token-mean", 0.5, False), ("grpo", "seq-mean-token-mean", 0.5, True)])
+def test_trls_loss_with_the_corrections_is_sparserls_ppo_loss(tmp_path, loss_type, aggregation, beta,
+                                                              bias_correction):
+    """With beta != 0 TRL adds β·k3 (of log π_ref − log π_θ) on the kept tokens, in the loss's own aggregation and
+    not weighted by the correction's importance weights: the term of sparserl's own `ppo_loss` (`kl_coef`). TRL
+    1.16's default `use_bias_correction_kl=True` multiplies it by π_θ/π_old: 1 in value here (π_old is these
+    weights), while its gradient gains β·k3·∇log π_θ."""
+    reference, tokenizer = make_tiny_model(seed=3)
+    reference.save_pretrained(tmp_path / "reference")  # TRL loads its reference model from the policy's path
+    trainer = _trainer(SparseGRPOTrainer, type(reference).from_pretrained(tmp_path / "reference"), tokenizer,
+                       tmp_path, loss_type, dict(beta=beta, use_bias_correction_kl=bias_correction),
                        rollout_func=SparseRollouts(**SPARSE), correction="sparse-rl")
+    torch.manual_seed(0)
+    with torch.no_grad():  # the policy moved away from the reference, so that the KL and its gradient are not 0
+        for parameter in trainer.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
     trainer.model.train()
     inputs = trainer._generate_and_score_completions(_rows())
     loss_trl, grads_trl = _loss_and_grads(trainer, inputs)
-    # sparserl's own loss on the same batch: π_θ from its forward, the corrections from their oracle.
+    # sparserl's own loss on the same batch: π_θ and π_ref from its forward, the corrections from their oracle.
     trainer.model.zero_grad()
     width = inputs["prompt_ids"].shape[1]
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     logp, _ = response_logprobs(trainer.model, ids, attention, width)
+    with torch.no_grad():
+        logp_ref, _ = response_logprobs(reference, ids, attention, width)
     corrections = compute_corrections(logp.detach(), inputs["sampling_per_token_logps"], inputs["completion_mask"],
                                       load_preset("sparse-rl").correction)
     weights = corrections.weights
-    advantages = (inputs["advantages"] / weights.clamp(min=1e-30)).masked_fill(weights == 0, 0).amax(dim=1)
-    terms = ppo_loss(logp, logp.detach(), advantages, weights, token_coefficients(corrections.keep_mask, aggregation),
-                     0.2, 0.2)
-    terms.loss.backward()
-    # The loss is a sum of ±A·w terms of size ~0.5 that nearly cancel: float32 rounding of each term (π_old from
-    # two forwards) stays below 1e-6 of their size.
-    assert float(terms.loss) == pytest.approx(loss_trl, abs=1e-6)
+    total = weights.sum(dim=1)  # each row's advantage back from TRL's per-token A·w: Σ A·w / Σ w
+    advantages = torch.where(total > 0, inputs["advantages"].sum(dim=1) / total.clamp(min=1e-30), 0.0)
+    coefficients = token_coefficients(corrections.keep_mask, aggregation)
+    terms = ppo_loss(logp, logp.detach(), advantages, weights, coefficients, 0.2, 0.2, kl_coef=beta,
+                     logp_ref=logp_ref)
+    loss = terms.loss
+    if beta and bias_correction:  # k3 · (π_θ/π_old − 1) to first order: 0 in value, k3·∇log π_θ in gradient
+        loss = loss + beta * (coefficients * kl_k3(logp, logp_ref).detach() * (logp - logp.detach())).sum()
+    loss.backward()
+    assert beta == 0 or terms.kl > 1e-3
+    # The policy term is a sum of ±A·w terms of size ~0.5 that nearly cancel: float32 rounding of each term (π_old
+    # from two forwards) stays below 1e-6 of their size.
+    assert float(loss) == pytest.approx(loss_trl, abs=1e-6)
     for ours, theirs in zip((p.grad for p in trainer.model.parameters()), grads_trl):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-7)
 
@@ -349,17 +372,34 @@ def test_speculative_rollouts_log_their_acceptance_and_kv_figures_per_row(tmp_pa
     assert 1.0 <= logged["sparserl/kv_peak_bytes"][0] / logged["sparserl/kv_dense_bytes"][0] < 1.5
 
 
+# The GRPOConfig settings the sampler reads from TRL's trainer, and those TRL applies itself around the sampler (the
+# loss, rewards, batching, logging, model loading) or that reach the sampler through the model TRL hands it
+# (`disable_dropout`, `cast_lm_head_to_fp32`), as read in TRL 1.16's source.
+SAMPLER_READS = ("temperature", "max_completion_length", "chat_template_kwargs")
+TRL_APPLIES = (
+    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout", "cast_lm_head_to_fp32",
+    "num_generations", "num_generations_eval", "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size",
+    "steps_per_generation", "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg",
+    "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+    "importance_sampling_level", "reward_weights", "multi_objective_aggregation", "scale_rewards", "loss_type",
+    "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_completions",
+    "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo")
+
+
 def test_every_grpo_setting_is_read_applied_or_refused():
     """TRL 1.16's GRPOConfig settings (beyond transformers' TrainingArguments), each in exactly one class: read by
-    the sampler, applied by TRL around it, or refused because only TRL's own sampler would read it."""
+    the sampler, applied by TRL around it, or refused because only TRL's own sampler would read it (the
+    integration's `TRL_GENERATION_ONLY` and every `vllm_*`)."""
     import dataclasses
 
     from transformers import TrainingArguments
 
-    from sparserl.integrations import trl as ours
+    from sparserl.integrations.trl import TRL_GENERATION_ONLY
 
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     for name in (f.name for f in dataclasses.fields(GRPOConfig) if f.name not in base):
-        classes = [name in ours.SAMPLER_READS, name in ours.TRL_APPLIES,
-                   name in ours.TRL_GENERATION_ONLY or name.startswith("vllm_")]
+        classes = [name in SAMPLER_READS, name in TRL_APPLIES,
+                   name in TRL_GENERATION_ONLY or name.startswith("vllm_")]
         assert sum(classes) == 1, f"GRPOConfig.{name}: in {sum(classes)} classes"

@@ -27,9 +27,10 @@ Every TRL setting is honoured or refused when the trainer is built, in one line 
 settings that shape only TRL's own generation (`top_p`, `top_k`, `min_p`, `repetition_penalty`,
 `generation_kwargs`, `cache_implementation`, `use_vllm`, transformers' paged or continuous batching, `tools`,
 `environment_factory`) are refused, since the recorded log-probs are the plain tempered distribution's; so are
-ZeRO-3 and FSDP, whose sharded weights the sampler cannot run. Across processes the correction's batch
-normalisation divides by the mean over every process's tokens. Use `bf16=False` on a CPU: TRL's bf16 autocast
-alone puts a dense ξ at 0.995-1.006.
+ZeRO-3 and FSDP, whose sharded weights the sampler cannot run. Under `accelerate launch` the rows of every process
+draw their own seeds, and the corrections (batch normalisation included), their metrics and the sampler's figures
+are the whole generation batch's, as one process holding it computes them. Use `bf16=False` on a CPU: TRL's bf16
+autocast alone puts a dense ξ at 0.995-1.006.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 import trl
+from accelerate.utils import gather_object
 from packaging.version import Version
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -48,16 +50,18 @@ from ..config.corrections import CorrectionConfig
 from ..config.presets import correction_for
 from ..config.schema import DECODE_FIELDS, SPARSITY_FIELDS, SPECULATIVE_FIELDS, load_config
 from ..errors import ConfigError
-from ..learner.alpha import rollout_alpha_metrics
-from ..learner.corrections import compute_corrections
-from ..rollout.batch import RolloutBatch, SamplingConfig
+from ..learner.alpha import alpha_points, rollout_acceptance
+from ..learner.corrections import Corrections, compute_corrections
+from ..rollout.acceptance import alpha_metrics
+from ..rollout.batch import KVStats, RolloutBatch, SamplingConfig
 from ..rollout.dispatch.scheduler import RowLimits, request_seed, schedule_rollouts, step_seed
 from ..rollout.dispatch.spec import SamplerCache, SamplerSpec
 from ..rollout.sparsity.settings import sparsity_from_config
 from ..rollout.speculative.drafts import draft_from_config
+from ..rollout.speculative.stats import SpeculationStats
 
 # The integration overrides and calls TRL's private methods (`_generate_and_score_completions`,
-# `_get_per_token_logps_and_entropies`, `_log_metric`), which change between releases.
+# `_get_per_token_logps_and_entropies`, `_metrics`), which change between releases.
 SUPPORTED_TRL = "1.16"
 if Version(trl.__version__).base_version.rsplit(".", 1)[0] != SUPPORTED_TRL:
     raise ImportError(f"sparserl.integrations.trl is built on TRL {SUPPORTED_TRL}'s GRPOTrainer internals; found TRL "
@@ -87,21 +91,6 @@ TRL_GENERATION_ONLY = {"top_p": (1.0,), "top_k": (0, None, -1), "min_p": (None,)
                        "max_tool_calling_iterations": (None,)}
 # Read with use_vllm only, where SparseGRPOTrainer refuses it on; set to False it is what a user of ours means anyway.
 _NOT_GENERATION_ONLY = {"vllm_importance_sampling_correction"}
-# The GRPOConfig settings the sampler reads from TRL's trainer, and those TRL applies itself around the sampler (the
-# loss, rewards, batching, logging, model loading) or that reach the sampler through the model TRL hands it
-# (`disable_dropout`, `cast_lm_head_to_fp32`). With the generation-only ones and `vllm_*`, every GRPOConfig setting
-# is in one of these (tests/test_trl_integration.py holds TRL 1.16 to it).
-SAMPLER_READS = ("temperature", "max_completion_length", "chat_template_kwargs")
-TRL_APPLIES = (
-    "model_init_kwargs", "trust_remote_code", "router_aux_loss_coef", "disable_dropout", "cast_lm_head_to_fp32",
-    "num_generations", "num_generations_eval", "shuffle_dataset", "pad_to_multiple_of", "generation_batch_size",
-    "steps_per_generation", "beta", "num_iterations", "epsilon", "delta", "epsilon_high", "sapo_temperature_neg",
-    "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-    "importance_sampling_level", "reward_weights", "multi_objective_aggregation", "scale_rewards", "loss_type",
-    "mask_truncated_completions", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
-    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-    "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "use_bias_correction_kl", "log_completions",
-    "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo")
 
 
 def _generation_only_settings(args) -> list[str]:
@@ -144,7 +133,6 @@ class SparseRollouts:
             draft_tokens=self.rollout.draft_tokens, record_evictions=False,
             record_distributions=self.measure_alpha)
         self.samplers: SamplerCache | None = None
-        self.last_metrics: dict[str, float] = {}  # of the last batch: KV figures, rows in flight, α, speculation
         self._checked: int | None = None  # id of the trainer whose settings were checked
 
     def __call__(self, prompts: list, trainer: GRPOTrainer) -> dict[str, list]:
@@ -165,21 +153,45 @@ class SparseRollouts:
             **RowLimits.from_rollout_config(self.rollout, next(policy.parameters()).device).sampling_fields())
         seeds = generation_seeds(trainer, len(prompt_ids))
         sampler = self.samplers.get(self.spec)
+        mode = "train" if trainer.model.training else "eval"
         was_training = policy.training
         policy.eval()
         try:
             batch = schedule_rollouts(sampler, prompt_ids, sampling, seeds)
-            metrics = rollout_alpha_metrics(policy, [batch], trainer.temperature, self.rollout.alpha_bin_size) \
-                if self.measure_alpha else {}
+            alpha = alpha_points(rollout_acceptance(policy, batch, trainer.temperature), batch.response_mask,
+                                 batch.prompt_lengths) if self.measure_alpha else None
         finally:
             policy.train(was_training)
-        counted = sampler.take_stats()  # the speculative sampler's acceptance figures; None for the engine
-        if counted is not None:
-            metrics.update(counted.metrics(self.rollout.alpha_bin_size))
-        self.last_metrics = {**metrics, **batch.kv.summary(batch.rollout_seconds), "rollout_s": batch.rollout_seconds}
-        for key, value in self.last_metrics.items():  # averaged over processes by TRL when it logs
-            trainer._log_metric(f"sparserl/{key}", float(value))
+        # `take_stats`: the speculative sampler's acceptance figures; None for the engine.
+        metrics = _rollout_metrics_over_processes(trainer, batch, sampler.take_stats(), alpha,
+                                                  self.rollout.alpha_bin_size)
+        for key, value in metrics.items():
+            trainer._metrics[mode][f"sparserl/{key}"].append(float(value))
         return _as_lists(batch, prompt_ids)
+
+
+def _rollout_metrics_over_processes(trainer: GRPOTrainer, batch: RolloutBatch, counted: SpeculationStats | None,
+                                    alpha: tuple[torch.Tensor, torch.Tensor] | None, bin_size: int) -> dict[str, float]:
+    """The sampler's figures for the generation batch of every process, merged as sparserl merges a step's shards
+    (`KVStats.merged`): per-row figures and α pooled over every process's rows (what one process holding them
+    logs), speculation counts summed before their ratios are taken, compression events, waves and seconds summed,
+    and memory per sampler (the peak and dense-equivalent bytes and rows in flight are the largest process's);
+    `rollout_s` is the slowest process's wall time. `counted`: this process's speculation counts (None: not
+    speculative); `alpha`: its α points (`alpha_points`, None: not measured)."""
+    parts = [(batch.kv, len(batch), batch.rollout_seconds, counted,
+              None if alpha is None else tuple(t.cpu() for t in alpha))]
+    if trainer.accelerator.num_processes > 1:
+        parts = gather_object(parts)
+    kv, rows, seconds, counts, alphas = zip(*parts)
+    metrics: dict[str, float] = {}
+    if alphas[0] is not None:
+        metrics.update(alpha_metrics(torch.cat([a for a, _ in alphas]), torch.cat([n for _, n in alphas]), bin_size))
+    if counts[0] is not None:
+        speculation = SpeculationStats()
+        for part in counts:
+            speculation.add(part)
+        metrics.update(speculation.metrics(bin_size))
+    return {**metrics, **KVStats.merged(list(kv), list(rows)).summary(sum(seconds)), "rollout_s": max(seconds)}
 
 
 def _refuse_unread(rollout: dict[str, Any]) -> None:
@@ -194,13 +206,17 @@ def _refuse_unread(rollout: dict[str, Any]) -> None:
 
 
 def generation_seeds(trainer: GRPOTrainer, rows: int) -> list[int]:
-    """One sampling seed per row, from the run's seed and step as sparserl's own steps draw them (`step_seed`,
-    `request_seed`), and this process. A step that generates more than once (`steps_per_generation` below the
-    gradient accumulation steps) draws each generation batch from its own stream: the micro-step it starts at.
-    That count restarts at every optimizer step, as a resumed run restarts it, so a resumed run draws the same."""
+    """One sampling seed for each of this process's `rows` rows: sparserl's own seed of the row at the same place in
+    the whole generation batch (`request_seed(step_seed(seed, step), row)`), numbering every process's rows in turn
+    as TRL slices them (each process holds as many), so that no two rows of a step share a seed and one process
+    holding the same rows draws the same completions. A step that generates more than once (`steps_per_generation`
+    below the gradient accumulation steps) draws each generation batch from its own stream: the micro-step it
+    starts at. That count restarts at every optimizer step, as a resumed run restarts it, so a resumed run draws
+    the same."""
     micro_step = getattr(trainer, "_step", 0) % max(getattr(trainer, "current_gradient_accumulation_steps", 1), 1)
-    seed = step_seed(trainer.args.seed, trainer.state.global_step) * 1024 + trainer.accelerator.process_index
-    return [request_seed(seed, row, micro_step) for row in range(rows)]
+    seed = step_seed(trainer.args.seed, trainer.state.global_step)
+    first = trainer.accelerator.process_index * rows
+    return [request_seed(seed, first + row, micro_step) for row in range(rows)]
 
 
 def check_trainer(trainer: GRPOTrainer) -> None:
@@ -274,9 +290,7 @@ class SparseGRPOTrainer(GRPOTrainer):
         old = out.get("old_per_token_logps")
         if old is None:  # TRL skips π_old when no optimizer step separates sampling from the loss: the same weights
             old = self._dense_old_logps(out)
-        across = None if self.accelerator.num_processes == 1 else \
-            (lambda totals: self.accelerator.reduce(totals, reduction="sum"))
-        corrections = compute_corrections(old, sampler, mask, self.correction, batch_total=across)
+        corrections = self._corrections_over_processes(old, sampler, mask)
         out["advantages"] = out["advantages"][:, None] * corrections.weights.to(out["advantages"].dtype)
         out["tool_mask"] = (mask * corrections.keep_mask).to(out["completion_mask"].dtype)
         out["num_items_in_batch"] = self.accelerator.gather(out["tool_mask"].sum()).sum()
@@ -284,6 +298,21 @@ class SparseGRPOTrainer(GRPOTrainer):
         for key, value in corrections.metrics.items():
             self._metrics[mode][f"sparserl/{key}"].append(float(value))
         return out
+
+    def _corrections_over_processes(self, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> Corrections:
+        """The corrections of this process's rows (`[B, T]` each), computed over every process's rows at once, so
+        that the batch normalisation, the metrics and their quantiles are the whole generation batch's, as one
+        process holding it computes them. Every process holds B rows (TRL slices the batch so), right-padded here
+        to the widest process's T."""
+        if self.accelerator.num_processes == 1:
+            return compute_corrections(old, sampler, mask, self.correction)
+        whole = [self.accelerator.gather(self.accelerator.pad_across_processes(part, dim=1))
+                 for part in (old, sampler, mask)]
+        everything = compute_corrections(*whole, self.correction)
+        own = slice(self.accelerator.process_index * len(mask), (self.accelerator.process_index + 1) * len(mask))
+        width = mask.shape[1]
+        return Corrections(weights=everything.weights[own, :width], keep_mask=everything.keep_mask[own, :width],
+                           metrics=everything.metrics, seq_keep=everything.seq_keep[own])
 
     @torch.no_grad()
     def _dense_old_logps(self, out: dict) -> torch.Tensor:
