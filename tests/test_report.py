@@ -1,18 +1,18 @@
-"""The compare report: plots exist, cells are hand-computed means and ranges over seeds, and a
-verdict is given only when every seed agrees."""
+"""The compare report: plots exist, cells are hand-computed means and ranges over seeds with the binomial standard
+error, paired comparisons are hand-computed, and a verdict word appears only where its interval excludes the
+alternative."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from sparserl.report.common import cell
 from sparserl.report.plots import PLOTS
 from sparserl.report.tables import (
-    classify_trajectory,
     paper_table,
-    read_final_eval,
     write_report,
 )
 
@@ -49,15 +49,18 @@ def _write_run(root, mode, seed, start, final, kept=0.6, vetoed=0.0, veto_flagge
             "sparse": {"accuracy": final - 0.2}, "train_seconds": 10.0, "rollout_seconds": 4.0 + seed, "steps": 2}))
 
 
-def _compare_dir(tmp_path, rl_finals=(0.8, 0.8), naive_finals=(0.2, 0.3)):
+def _compare_dir(tmp_path, rl_finals=(0.8, 0.8), naive_finals=(0.2, 0.3), dense_finals=(0.8, 0.8)):
+    """dense, naive-sparse and sparse-rl over one seed per final accuracy given (sparse-rs named but not run); every
+    run starts at 50% and ends at its final, 20 points lower under sparse inference."""
+    seeds = list(range(len(rl_finals)))
     config = {"task": {"task": "pointer_walk", "difficulty": 26}, "train": {"steps": 2, "seed": 0},
               "rollout": {"kv_policy": "rkv", "kv_budget": 80, "kv_window": 8, "kv_interval": 8,
                           "prompts_per_step": 4, "group_size": 8}, "output": {"eval_examples": 200}}
     (tmp_path / "compare.json").write_text(json.dumps(
-        {"modes": ["dense", "naive-sparse", "sparse-rl", "sparse-rs"], "seeds": [0, 1], "config": config}))
+        {"modes": ["dense", "naive-sparse", "sparse-rl", "sparse-rs"], "seeds": seeds, "config": config}))
     # The dense runs peak at 4 MiB; the sparse runs at 1.6 MiB (seed 0) and 2.0 MiB (seed 1): 60% and 50% saved.
-    for seed in (0, 1):
-        _write_run(tmp_path, "dense", seed, 0.5, 0.8, kept=1.0, veto_flagged=0.0, peak=4.0)
+    for seed in seeds:
+        _write_run(tmp_path, "dense", seed, 0.5, dense_finals[seed], kept=1.0, veto_flagged=0.0, peak=4.0)
         _write_run(tmp_path, "naive-sparse", seed, 0.5, naive_finals[seed], veto_flagged=0.2 + 0.1 * seed,
                    peak=1.6 + 0.4 * seed)
         _write_run(tmp_path, "sparse-rl", seed, 0.5, rl_finals[seed], kept=0.5 + 0.1 * seed, vetoed=2.0,
@@ -95,7 +98,8 @@ def test_report_table_regime_and_verdicts(tmp_path):
     assert "KV saved (peak bytes against the dense run of each seed, same prompts) 55.0% (50.0–60.0)" in table
     rows = _rows(table)
     # sparse-rl: peaks 1.6 and 2.0 MiB against 4.0; rollout s 4 and 5; vetoed 2 per step.
-    assert rows["sparse-rl"][0] == "80.0% (80.0–80.0)"
+    # ± √(0.8 · 0.2 / 200) = 2.8 points; under sparse inference √(0.6 · 0.4 / 200) = 3.5.
+    assert rows["sparse-rl"][0] == "80.0% (80.0–80.0) ± 2.8" and rows["sparse-rl"][1] == "60.0% (60.0–60.0) ± 3.5"
     assert rows["sparse-rl"][2] == "79.0% (79.0–79.0)"  # exact walks from final_eval
     assert rows["sparse-rl"][4] == "55.0% (50.0–60.0)"
     assert rows["sparse-rl"][5] == "1.80 (1.60–2.00) / 4.00 (4.00–4.00)"
@@ -106,14 +110,25 @@ def test_report_table_regime_and_verdicts(tmp_path):
     assert rows["sparse-rl"][10] == "12.5% (12.5–12.5) / 25.0% (25.0–25.0)"  # 2 of 8 sequences, 1/16 tokens each
     assert rows["naive-sparse"][10] == "—"  # rejects nothing: no number to show
     assert rows["sparse-rs (not run)"] == ["—"] * 12
+    paired = text.split("## Paired comparisons over seeds")[1].split("## Mismatch")[0]
+    dense_inference = _rows(paired.split("dense inference:")[1].split("Held-out accuracy, sparse")[0])
+    # naive-sparse − dense: −60, −50 points; mean −55, s = 7.07, t(0.975, 1) = 12.706: −55 ± 63.5;
+    # t = −11, p = 1 − 2 atan(11) / π = 0.058.
+    assert dense_inference["naive-sparse − dense"][:6] == ["2", "-60.0, -50.0", "-55.0", "-118.5 to +8.5", "0.058",
+                                                            "31% (-48% to 111%)"]
+    assert dense_inference["naive-sparse − dense"][7].startswith("not distinguishable at 2 seeds")
+    # sparse-rl equals dense on both seeds: a point interval at 0, above −5.
+    assert dense_inference["sparse-rl − dense"][3:] == ["+0.0 to +0.0", "1", "100% (100% to 100%)", "2", "keeps up"]
+    assert "sparse-rl − naive-sparse" in dense_inference  # each correction against no correction
+    assert "One held-out figure on 200 prompts has a binomial standard error of up to 3.5 points" in paired
     verdicts = text.split("## Verdicts")[1]
-    # naive-sparse: 0.5 -> 0.2 collapsed, 0.5 -> 0.3 degraded: the seeds disagree.
-    assert "naive-sparse, final vs step-0 accuracy (dense inference): **mixed** (seed 0: collapsed" in verdicts
-    assert "seed 1: degraded" in verdicts
-    assert "sparse-rl, final vs step-0 accuracy (dense inference): **improved** (50.0% → 80.0%; 50.0% → 80.0%)" \
-        in verdicts
-    assert "keeps ≥ 97% of dense accuracy — **met** (100.0%; 100.0%)" in verdicts
-    assert "naive sparse training collapses — **mixed**" in verdicts
+    # naive-sparse: 50 → 20 and 50 → 30, mean −25 ± 12.706 · 7.07 / √2 = ±63.5: covers −5.
+    assert ("naive-sparse, final vs step-0 accuracy (dense inference): **not distinguishable at 2 seeds (about 4 "
+            "needed)** — mean -25.0 points, 95% CI -88.5 to +38.5, p 0.13 (paired t, 1 df) (50.0% → 20.0%; "
+            "50.0% → 30.0%)") in verdicts
+    assert "sparse-rl, final vs step-0 accuracy (dense inference): **holds** — mean +30.0 points" in verdicts
+    assert "keeps ≥ 97% of dense accuracy — **met** (ratio of the means 100.0%, 95% CI 100.0% to 100.0%" in verdicts
+    assert "Issue 54's rule on sparse-rl − naive-sparse (dense inference): **inconclusive** on 2 seed(s)" in verdicts
     assert "Caveat: verdicts rest on 2 steps (< 20), 2 seed(s) (< 3)" in verdicts
 
 
@@ -136,11 +151,69 @@ def test_a_block_sparse_regime_names_its_pages_and_attended_fraction(tmp_path):
     assert "rkv" not in table.splitlines()[0]
 
 
-def test_paper_claim_not_met_in_every_seed(tmp_path):
-    out = _compare_dir(tmp_path, rl_finals=(0.6, 0.7), naive_finals=(0.2, 0.1))
+def test_paper_claims_decided_only_by_intervals_that_exclude_their_thresholds(tmp_path):
+    out = _compare_dir(tmp_path, rl_finals=(0.60, 0.62, 0.61), naive_finals=(0.20, 0.22, 0.21),
+                       dense_finals=(0.80, 0.80, 0.80))
     verdicts = write_report(out).read_text().split("## Verdicts")[1]
-    assert "keeps ≥ 97% of dense accuracy — **not met** (75.0%; 87.5%)" in verdicts
-    assert "naive sparse training collapses — **met**" in verdicts
+    # Sparse-RL / dense: 61 / 80 (0.76249… in float64: 76.2%); residuals −1, +1, 0 points → s = 1 / 80,
+    # ± 4.303 · 0.0125 / √3 = 3.1%.
+    assert ("keeps ≥ 97% of dense accuracy — **not met** (ratio of the means 76.2%, 95% CI 73.1% to 79.4%; per "
+            "seed 60.0% vs 80.0%; 62.0% vs 80.0%; 61.0% vs 80.0%)") in verdicts
+    # naive-sparse's final / start: 21 / 50 = 42%, ± 4.303 · (1 / 50) / √3 = 5.0%: below 50%.
+    assert "naive sparse training collapses (final < 50% of its step-0 accuracy) — **met** (ratio of the means " \
+           "42.0%, 95% CI 37.0% to 47.0%" in verdicts
+    # D = Sparse-RL − naive = +40 points on every seed: not "hurts", and far outside ±7.
+    assert "sparse-rl − naive-sparse (dense inference): **inconclusive** on 3 seed(s) (mean D +40.0 points" \
+        in verdicts
+    # The same comparison on two seeds whose figures straddle 97%: no verdict word.
+    (tmp_path / "two").mkdir()
+    two = _compare_dir(tmp_path / "two", rl_finals=(0.6, 0.8))
+    verdicts = write_report(two).read_text().split("## Verdicts")[1]
+    assert "keeps ≥ 97% of dense accuracy — **not distinguishable at 2 seeds (about " in verdicts
+
+
+def test_one_seed_says_it_gives_no_interval(tmp_path):
+    out = _compare_dir(tmp_path, rl_finals=(0.6,), naive_finals=(0.2,), dense_finals=(0.8,))
+    text = write_report(out).read_text()
+    row = _rows(text.split("Held-out accuracy, dense inference:")[1].split("Held-out")[0])["sparse-rl − dense"]
+    assert row == ["1", "-20.0", "-20.0", "one seed: no interval", "—", "75%", "—",
+                   "not distinguishable at 1 seed (one seed gives no interval)"]
+    assert "sparse-rl, final vs step-0 accuracy (dense inference): **not distinguishable at 1 seed (one seed gives " \
+           "no interval)** — +10.0 points on one seed: no interval" in text
+
+
+def _intervals_and_verdicts(text: str) -> list[tuple[float, float, float, str]]:
+    """(low, high, the alternative, the verdict) of every paired-table row and every verdict sentence of report.md."""
+    found = []
+    for line in text.split("## Paired comparisons over seeds")[1].split("## Mismatch")[0].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and " − " in cells[0] and "(A − B)" not in cells[0]:
+            low, high = (float(v) for v in cells[4].split(" to "))
+            found.append((low, high, -5.0, cells[8]))
+    alternatives = {"final vs step-0": -5.0, "keeps ≥ 97%": 97.0, "collapses": 50.0, "loses less": 0.0}
+    for line in text.split("## Verdicts")[1].splitlines():
+        match = re.search(r"\*\*(.+?)\*\*.*?95% CI (-?[\d.+]+)%? to (-?[\d.+]+)%?", line)
+        alternative = next((v for k, v in alternatives.items() if k in line), None)
+        if match and alternative is not None:
+            found.append((float(match[2]), float(match[3]), alternative, match[1]))
+    return found
+
+
+@pytest.mark.parametrize("rl_finals, naive_finals", [
+    ((0.8, 0.8, 0.8), (0.2, 0.3, 0.25)), ((0.70, 0.85, 0.78), (0.79, 0.83, 0.76)),
+    ((0.45, 0.9, 0.6), (0.5, 0.52, 0.48)), ((0.76, 0.77, 0.78), (0.74, 0.81, 0.8)),
+])
+def test_no_verdict_word_where_the_interval_covers_the_alternative(tmp_path, rl_finals, naive_finals):
+    out = _compare_dir(tmp_path, rl_finals=rl_finals, naive_finals=naive_finals, dense_finals=(0.8, 0.78, 0.81))
+    found = _intervals_and_verdicts(write_report(out).read_text())
+    assert len(found) >= 10  # 6 table rows, 3 trajectories, 2 paper claims
+    assert any(low < alternative < high for low, high, alternative, _ in found)  # both cases are met
+    assert any(not low <= alternative <= high for low, high, alternative, _ in found)
+    for low, high, alternative, word in found:
+        if low + 0.05 < alternative < high - 0.05:  # covered, beyond the rounding of the printed interval
+            assert word.startswith("not distinguishable"), (low, high, alternative, word)
+        elif not low - 0.05 <= alternative <= high + 0.05:
+            assert word in ("keeps up", "falls", "holds", "met", "not met"), (low, high, alternative, word)
 
 
 def test_incomplete_and_missing_runs(tmp_path):
@@ -151,14 +224,8 @@ def test_incomplete_and_missing_runs(tmp_path):
         text = write_report(out).read_text()
         rows = _rows(paper_table(out))
     # Incomplete: held-out accuracy falls back to the latest in-training evaluation (step 2 here).
-    assert rows["sparse-rl (1 incomplete)"][0] == "80.0% (80.0–80.0)"
+    assert rows["sparse-rl (1 incomplete)"][0] == "80.0% (80.0–80.0) ± 2.8"
     assert "naive-sparse" in text and all((out / p).exists() for p in PLOTS)
-
-
-@pytest.mark.parametrize("start, final, label", [(0.5, 0.24, "collapsed"), (0.5, 0.44, "degraded"),
-                                                 (0.5, 0.47, "held"), (0.5, 0.56, "improved")])
-def test_classify_trajectory(start, final, label):
-    assert classify_trajectory(start, final) == label
 
 
 def test_a_scheduled_mode_gets_its_budget_plot(tmp_path):
@@ -269,7 +336,7 @@ def test_an_unreadable_final_eval_is_said_and_the_run_reported_as_incomplete(tmp
     row = _rows(table)["sparse-rl (1 incomplete)"]
     # Seed 1 falls back to its step-2 evaluation (0.8) and logs no exact walks, so that cell is seed 0's
     # final_eval alone (0.79); its rollout time is the sum of its steps' rollout_s, 2 + 2 = 4 s.
-    assert row[0] == "80.0% (80.0–80.0)" and row[2] == "79.0%" and row[7] == "4.0 (4.0–4.0)"
+    assert row[0] == "80.0% (80.0–80.0) ± 2.8" and row[2] == "79.0%" and row[7] == "4.0 (4.0–4.0)"
 
 
 def test_a_directory_without_compare_json_is_refused(tmp_path):

@@ -15,6 +15,12 @@ one, both read through the compressed cache). Step 0 is the same for every mode 
 on the seed's 200 held-out prompts): it is read from the seed's first dense attempt, which evaluated it
 (`first_attempt_kl1e-4/dense_s<seed>/metrics.jsonl`), or from `sparserl eval` of the warm start
 (`warm_start_s<seed>/eval_step0.json`).
+
+Every held-out accuracy carries ± its binomial standard error (points, on the run's held-out prompts). Then the paired
+comparisons over seeds (`sparserl.report.paired`, as `sparserl compare`'s report.md): each setting against its dense
+setting and each correction against naive-sparse of the same setting, at the same step on the seeds both have: the
+per-seed differences, their mean, 95% t-interval and p, the ratio of the means with its interval, the seeds a 5-point
+gap needs and the verdict; and issue 54's rule on Sparse-RL − naive-sparse.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import json
 from pathlib import Path
 
 import yaml
+
+from sparserl.report.paired import paired_note, paired_table, rule_sentence, standard_error
 
 
 def records(path: Path) -> list[dict]:
@@ -38,15 +46,23 @@ def shown(value: float | None, form: str) -> str:
     return "—" if value is None else format(value, form)
 
 
-def dense_setting_of(run: Path) -> str:
-    """The dense setting the run is compared with: its name with the mode (from its config) read as dense,
-    `sparse-rl-b32_s0` -> `dense-b32`; a variant with no dense runs of its own is compared with the setting it
+def mode_of(run: Path) -> str:
+    return yaml.safe_load((run / "config.yaml").read_text())["train"]["mode"]
+
+
+def counterpart_of(run: Path, mode: str) -> str:
+    """The setting of `mode` the run is compared with: its name with its own mode (from its config) read as `mode`,
+    `sparse-rl-b32_s0` -> `dense-b32`; a variant with no runs of `mode` of its own is compared with the setting it
     varies, `sparse-rl-b32-credit-veto0.5_s0` -> `dense-b32-credit`."""
-    mode = yaml.safe_load((run / "config.yaml").read_text())["train"]["mode"]
-    setting = "dense" + setting_of(run)[len(mode):]
-    while "-" in setting and not any(run.parent.glob(f"{setting}_s*")):
+    setting = mode + setting_of(run)[len(mode_of(run)):]
+    while "-" in setting[len(mode):] and not any(run.parent.glob(f"{setting}_s*")):
         setting = setting.rsplit("-", 1)[0]
     return setting
+
+
+def dense_setting_of(run: Path) -> str:
+    """The dense setting the run is compared with (`counterpart_of` for dense)."""
+    return counterpart_of(run, "dense")
 
 
 def setting_of(run: Path) -> str:
@@ -78,47 +94,87 @@ def evaluation_at(run: Path, at: int | None) -> tuple[int, dict] | None:
     return (last, json.loads(evaluation.read_text())) if evaluation.exists() else None
 
 
-def spread(values: list[float]) -> str:
-    return f"{mean(values):.1%} [{min(values):.1%}-{max(values):.1%}]"
+def spread(values: list[float], prompts: int | None) -> str:
+    return f"{mean(values):.1%}{standard_error(mean(values), prompts)} [{min(values):.1%}-{max(values):.1%}]"
 
 
-def summary(runs: list[Path], at: int | None) -> list[str]:
-    """Per setting and step read, over its seeds: held-out accuracy under dense and SnapKV inference, and each one's
-    share of the dense setting's at the same step on the same seeds (a setting with fewer seeds so far is compared
-    with dense on those seeds only: the seed picks the held-out prompts and the training prompts)."""
-    by_setting: dict[tuple[str, int], dict[str, tuple[float, float]]] = {}
-    dense_settings: dict[str, str] = {}
+# Per (setting, step): {seed: (held-out accuracy under dense inference, under SnapKV, held-out prompts)}.
+Results = dict[tuple[str, int], dict[str, tuple[float, float, int]]]
+
+
+def results(runs: list[Path], at: int | None) -> tuple[Results, dict[str, dict[str, str]]]:
+    """Every run's held-out accuracies at the step read, by setting and step; and per setting its mode and
+    counterparts ({"mode": its mode, "dense": its dense setting, "naive-sparse": its naive-sparse setting})."""
+    by_setting: Results = {}
+    counterparts: dict[str, dict[str, str]] = {}
     for run in runs:
         found = evaluation_at(run, at)
         if found:
             step, end = found
-            dense_settings[setting_of(run)] = dense_setting_of(run)
-            by_setting.setdefault((setting_of(run), step), {})[seed_of(run)] = (end["dense"]["accuracy"],
-                                                                                end["sparse"]["accuracy"])
+            counterparts[setting_of(run)] = {"mode": mode_of(run), "dense": counterpart_of(run, "dense"),
+                                             "naive-sparse": counterpart_of(run, "naive-sparse")}
+            by_setting.setdefault((setting_of(run), step), {})[seed_of(run)] = (
+                end["dense"]["accuracy"], end["sparse"]["accuracy"], end.get("examples"))
+    return by_setting, counterparts
+
+
+def summary(by_setting: Results, counterparts: dict[str, dict[str, str]]) -> list[str]:
+    """Per setting and step read, over its seeds: held-out accuracy under dense and SnapKV inference, and each one's
+    share of the dense setting's at the same step on the same seeds (a setting with fewer seeds so far is compared
+    with dense on those seeds only: the seed picks the held-out prompts and the training prompts)."""
     lines = ["| setting | step | seeds | held-out dense | held-out SnapKV 64 | dense inference / the dense setting's | "
              "SnapKV inference / the dense setting's |",
              "|---|---|---|---|---|---|---|"]
     for (setting, step), found in sorted(by_setting.items()):
-        baseline = by_setting.get((dense_settings[setting], step), {})
-        seeds = sorted(found.keys() & baseline.keys())
+        baseline = by_setting.get((counterparts[setting]["dense"], step), {})
+        seeds = sorted(found.keys() & baseline.keys(), key=int)
         which = "" if len(seeds) == len(baseline) else f" (seeds {', '.join(seeds)})"
         shares = [f"{mean([found[s][i] for s in seeds]) / mean([baseline[s][i] for s in seeds]):.0%}{which}"
                   if seeds else "—" for i in (0, 1)]
-        results = list(found.values())
-        lines.append(f"| {setting} | {step} | {', '.join(sorted(found))} | {spread([d for d, _ in results])} | "
-                     f"{spread([s for _, s in results])} | {shares[0]} | {shares[1]} |")
+        values = list(found.values())
+        prompts = min(v[2] for v in values) if all(v[2] for v in values) else None
+        lines.append(f"| {setting} | {step} | {', '.join(sorted(found, key=int))} | "
+                     f"{spread([v[0] for v in values], prompts)} | {spread([v[1] for v in values], prompts)} | "
+                     f"{shares[0]} | {shares[1]} |")
     return lines
 
 
-def row(root: Path, run: Path, at: int | None) -> str | None:
-    seed = seed_of(run)
-    found = evaluation_at(run, at)
-    if found is None:
-        return None
-    last, end = found
-    steps = [r for r in records(run / "metrics.jsonl") if 0 < r["step"] <= last]
-    start = start_of(root, seed)
-    dense_run = root / f"{dense_setting_of(run)}_s{seed}/metrics.jsonl"
+def pairs(by_setting: Results, counterparts: dict[str, dict[str, str]]) -> list[tuple[str, str, int, list[str]]]:
+    """(A, B, step, the seeds both have) of the paired comparisons: each setting against its dense setting, then
+    each correction against its naive-sparse setting."""
+    found = []
+    for against in ("dense", "naive-sparse"):
+        for (setting, step), seeds in sorted(by_setting.items()):
+            other = counterparts[setting][against]
+            if counterparts[setting]["mode"] in ("dense", against):
+                continue
+            both = sorted(seeds.keys() & by_setting.get((other, step), {}).keys(), key=int)
+            if both:
+                found.append((setting, other, step, both))
+    return found
+
+
+def paired_sections(by_setting: Results, counterparts: dict[str, dict[str, str]]) -> list[str]:
+    """The paired comparisons under dense and under SnapKV inference, and issue 54's rule wherever a Sparse-RL
+    setting has a naive-sparse one."""
+    compared = pairs(by_setting, counterparts)
+    prompts = min((v[2] for seeds in by_setting.values() for v in seeds.values() if v[2]), default=None)
+    lines = ["Paired comparisons over seeds. " + paired_note(prompts), ""]
+    for i, inference in enumerate(("dense inference", "SnapKV 64 inference")):
+        rows = [(f"{a} − {b} (step {step}; seeds {', '.join(seeds)})", [by_setting[(a, step)][s][i] for s in seeds],
+                 [by_setting[(b, step)][s][i] for s in seeds]) for a, b, step, seeds in compared]
+        lines += [f"Held-out accuracy, {inference}:", "", paired_table(rows), ""]
+    for a, b, step, seeds in compared:
+        if a.startswith("sparse-rl") and a[len("sparse-rl"):] == b[len("naive-sparse"):]:  # the preset, no variant
+            differences = [100 * (by_setting[(a, step)][s][0] - by_setting[(b, step)][s][0]) for s in seeds]
+            lines.append(f"Issue 54's rule, {a} − {b} at step {step} (dense inference): {rule_sentence(differences)}")
+    return lines
+
+
+def regime(run: Path, steps: list[dict]) -> str:
+    """The rollouts' regime cells: the share of sequences the most active filter touched, ξ's 1% quantile, the α
+    tail, and peak KV saved against the dense run of the same setting and seed at the same steps."""
+    dense_run = run.parent / f"{dense_setting_of(run)}_s{seed_of(run)}/metrics.jsonl"
     dense_peaks = {r["step"]: r["kv_peak_bytes"] for r in records(dense_run) if r["step"] > 0} \
         if dense_run.exists() else {}
     sparse = [r for r in steps if r.get("kv_compressions", 0) > 0]  # rollouts of a compressed cache
@@ -126,14 +182,24 @@ def row(root: Path, run: Path, at: int | None) -> str | None:
     alpha_tails = [r["alpha_tail"] for r in sparse if "alpha_tail" in r]  # measured every `alpha_every` steps
     filtered = [[v for k, v in r.items() if k.startswith("applied_") and k.endswith("_seq_frac")] for r in steps]
     touched = mean([max(shares) for shares in filtered if shares])  # the filter touching most sequences, a step
+    return (f"{shown(touched, '.0%')} | {shown(mean([r['xi_q01'] for r in sparse]), '.3f')} | "
+            f"{shown(mean(alpha_tails), '.3f')} | {shown(saved, '.1%')}")
+
+
+def row(root: Path, run: Path, at: int | None) -> str | None:
+    found = evaluation_at(run, at)
+    if found is None:
+        return None
+    last, end = found
+    steps = [r for r in records(run / "metrics.jsonl") if 0 < r["step"] <= last]
+    start = start_of(root, seed_of(run))
+    prompts = end.get("examples")
+    accuracies = [f"{start[i]:.1%}{standard_error(start[i], prompts)} → {end[kind]['accuracy']:.1%}"
+                  f"{standard_error(end[kind]['accuracy'], prompts)}" for i, kind in enumerate(("dense", "sparse"))]
     exact = [r.get("reward_task_mean", r["reward_mean"]) for r in steps]  # the task's own, whatever was trained on
-    first7, last7 = exact[:7], exact[-7:]
-    return (f"| {run.name} | {last} | {start[0]:.1%} → {end['dense']['accuracy']:.1%} | "
-            f"{start[1]:.1%} → {end['sparse']['accuracy']:.1%} | "
-            f"{mean(first7):.2f} → {mean(last7):.2f} | {sum(r.get('grad_norm', 0.0) > 0 for r in steps)} of {last} | "
-            f"{shown(touched, '.0%')} | {shown(mean([r['xi_q01'] for r in sparse]), '.3f')} | "
-            f"{shown(mean(alpha_tails), '.3f')} | {shown(saved, '.1%')} | "
-            f"{sum(r['step_s'] for r in steps) / 60:.0f} |")
+    return (f"| {run.name} | {last} | {accuracies[0]} | {accuracies[1]} | "
+            f"{mean(exact[:7]):.2f} → {mean(exact[-7:]):.2f} | {sum(r.get('grad_norm', 0.0) > 0 for r in steps)} of "
+            f"{last} | {regime(run, steps)} | {sum(r['step_s'] for r in steps) / 60:.0f} |")
 
 
 def main() -> None:
@@ -150,8 +216,11 @@ def main() -> None:
         line = row(args.records, run, args.at)
         if line:
             print(line)
+    by_setting, counterparts = results(runs, args.at)
     print()
-    print("\n".join(summary(runs, args.at)))
+    print("\n".join(summary(by_setting, counterparts)))
+    print()
+    print("\n".join(paired_sections(by_setting, counterparts)))
 
 
 if __name__ == "__main__":

@@ -1,1 +1,2 @@
-"""The comparison report: tables and verdicts (`tables`), the α section (`alpha`), plots (`plots`)."""
+"""The comparison report: tables (`tables`), paired comparisons and verdicts over seeds (`verdicts`, `paired`, on the
+statistics of `statistics`), the α section (`alpha`), plots (`plots`)."""

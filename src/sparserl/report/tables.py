@@ -1,14 +1,15 @@
-"""The comparison report: the regime, the paper-style table over seeds, and computed verdicts.
+"""The comparison report: the regime, the paper-style table over seeds, and report.md around them.
 
 `write_report(dir)` reads `dir/compare.json` (modes, seeds, config) and, for each mode and seed,
-`dir/<mode>/seed<S>/metrics.jsonl` and `final_eval.json`. It writes the plots (`report_plots.py`)
-and `report.md` into `dir`, with the α tail per length bin (`report_alpha.py`) where runs logged
-it. `paper_table(dir)` returns the regime line and the main table, for the command line to print.
+`dir/<mode>/seed<S>/metrics.jsonl` and `final_eval.json`. It writes the plots (`plots.py`)
+and `report.md` into `dir`, with the α tail per length bin (`alpha.py`) where runs logged
+it, and the paired comparisons and verdicts over seeds (`verdicts.py`). `paper_table(dir)` returns the regime line
+and the main table, for the command line to print.
 A mode whose runs trained DistillSparse is labelled "<mode> + DistillSparse".
 
-Every cell is the mean over seeds with the min–max range. A verdict (improved, held, degraded,
-collapsed; a paper claim met or not met) is stated only when every seed agrees; otherwise it is
-`mixed`, with the per-seed values. A mode with no run directory is reported as "not run"; one
+Every cell is the mean over seeds with the min–max range; a held-out accuracy carries the binomial standard error of
+one seed's figure. A verdict is stated only where its interval over seeds excludes the alternative
+(`statistics.verdict`). A mode with no run directory is reported as "not run"; one
 without `final_eval.json` as "incomplete" (its numbers come from the metrics alone). An unreadable
 or malformed `final_eval.json` makes its run incomplete too, and the problem is listed under the
 table (report.md and the command line); a bad line in a `metrics.jsonl` stops the report with an error
@@ -41,14 +42,9 @@ from ..train.layout import (
 )
 from ..train.metrics import read_metrics
 from .common import DASH, DISTILL_SUFFIX, cell, markdown, series, setting
+from .paired import standard_error
 
 MIB = 1024 ** 2
-# Thresholds of the verdicts, stated in the report too.
-COLLAPSE_FRAC = 0.5     # collapsed: final dense-inference accuracy < 50% of its step-0 value
-DEGRADE_POINTS = 5.0    # degraded / improved: more than 5 accuracy points below / above step 0
-TARGET_ACC_FRAC = 97.0  # paper: Sparse-RL keeps ~97% of dense accuracy ...
-MIN_EVAL_EXAMPLES = 100  # below this many held-out examples (or MIN_STEPS steps) verdicts carry a caveat
-MIN_STEPS = 20
 TABLE_HEADER = ("Mode", "Held-out acc (dense inf.)", "Held-out acc (sparse inf.)", "Exact walks (dense inf.)",
                 "Acc at step 0 (dense / sparse)", "KV saved (peak vs dense run)", "Peak KV MiB (run / dense run)",
                 "Rows in flight",
@@ -113,37 +109,57 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     final, problem = _final_eval(run_dir / FINAL_EVAL_FILE)
     steps = [r for r in records if r["step"] >= 1 and "reward_mean" in r]  # step 0 is eval-only
     evals = [r for r in records if "eval_accuracy_dense" in r]
-    start = next((r for r in records if r["step"] == 0), {})
     s = {"mode": mode, "status": "done" if final else "incomplete", "problem": problem, "steps": steps,
          "evals": evals}
+    s.update(_accuracies(records, evals, final))
+    s.update(_costs(steps, final))
+    s.update(_training(steps))
+    return s
+
+
+def _accuracies(records: list[dict], evals: list[dict], final: dict) -> dict[str, float | None]:
+    """Held-out accuracy and exact walks at the end (final_eval.json, else the latest in-training evaluation) and
+    at step 0, under dense and sparse inference."""
+    start = next((r for r in records if r["step"] == 0), {})
     last_eval = evals[-1] if evals and evals[-1]["step"] > 0 else {}
+    found = {}
     for kind in ("dense", "sparse"):
         for key, logged in ((f"acc_{kind}", f"eval_accuracy_{kind}"), (f"exact_{kind}", f"eval_walk_exact_{kind}")):
-            s[key] = final[key] if final.get(key) is not None else last_eval.get(logged)
-        s[f"acc0_{kind}"] = start.get(f"eval_accuracy_{kind}")
+            found[key] = final[key] if final.get(key) is not None else last_eval.get(logged)
+        found[f"acc0_{kind}"] = start.get(f"eval_accuracy_{kind}")
+    return found
+
+
+def _costs(steps: list[dict], final: dict) -> dict[str, float | None]:
+    """Peak KV (MiB; KV saved is filled in by `load`), rollout and step time, rows in flight."""
     peaks = series(steps, "kv_peak_bytes")[1]
-    s["kv_peak"] = max(peaks) / MIB if peaks else None
-    s["kv_dense_peak"] = s["kv_saved"] = None  # against the dense run of the same seed, once `load` has it
-    s["rollout_total"] = final["rollout_total"] if final.get("rollout_total") is not None else \
-        (sum(series(steps, "rollout_s")[1]) if steps else None)
     in_flight = series(steps, "rows_in_flight")[1]
-    s["rows_in_flight"] = max(in_flight) if in_flight else None
-    s["step_mean"] = _mean(series(steps, "step_s")[1])
+    rollout_total = final.get("rollout_total")
+    if rollout_total is None and steps:
+        rollout_total = sum(series(steps, "rollout_s")[1])
+    return {"kv_peak": max(peaks) / MIB if peaks else None,
+            "kv_dense_peak": None, "kv_saved": None,  # against the dense run of the same seed, once `load` has it
+            "rollout_total": rollout_total, "rows_in_flight": max(in_flight) if in_flight else None,
+            "step_mean": _mean(series(steps, "step_s")[1])}
+
+
+def _training(steps: list[dict]) -> dict[str, Any]:
+    """Final reward, rejections, skipped steps, the first step's regime and the mismatch metrics over training."""
     rewards = series(steps, "reward_mean")[1]
-    s["final_reward"] = _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):])  # the last 10% of steps
-    s["rejected_tokens"] = _mean(series(steps, "rejected_token_frac")[1])
-    s["rejected_seqs"] = _mean(series(steps, "rejected_seq_frac")[1])
     skipped = series(steps, "skipped_steps")[1]
-    s["skipped"] = skipped[-1] if skipped else None
-    s["attended"] = _mean(series(steps, "kv_attended_frac")[1])
-    s["veto0"] = steps[0].get("flagged_veto_frac") if steps else None
-    s["alpha_tail0"] = steps[0].get("alpha_tail") if steps else None
+    first = steps[0] if steps else {}
+    found = {"final_reward": _mean(rewards[-max(1, math.ceil(len(rewards) / 10)):]),  # the last 10% of steps
+             "rejected_tokens": _mean(series(steps, "rejected_token_frac")[1]),
+             "rejected_seqs": _mean(series(steps, "rejected_seq_frac")[1]),
+             "skipped": skipped[-1] if skipped else None,
+             "attended": _mean(series(steps, "kv_attended_frac")[1]),
+             "veto0": first.get("flagged_veto_frac"), "alpha_tail0": first.get("alpha_tail")}
     for key, how in MISMATCH_KEYS:
         values = series(steps, key)[1]
-        s[key] = (min(values) if values else None) if how == "min" else _mean(values)
+        found[key] = (min(values) if values else None) if how == "min" else _mean(values)
     buckets = {k for r in steps for k in r if k.startswith("flagged_veto_frac_len_")}
-    s["veto_by_len"] = {k: _mean(series(steps, k)[1]) for k in buckets}
-    return s
+    found["veto_by_len"] = {k: _mean(series(steps, k)[1]) for k in buckets}
+    return found
 
 
 def _final_eval(path: Path) -> tuple[dict[str, float | None], str | None]:
@@ -191,7 +207,7 @@ def load(compare_dir: Path) -> tuple[dict, dict[str, list[dict]]]:
 
 
 # ---------------------------------------------------------------------------------- cells
-def _row(mode: str, seeds: list[dict]) -> list[str]:
+def _row(mode: str, seeds: list[dict], prompts: int | None) -> list[str]:
     done = [s for s in seeds if s["status"] != "not run"]
     if not done:
         return [f"{mode} (not run)"] + [DASH] * (len(TABLE_HEADER) - 1)
@@ -202,12 +218,19 @@ def _row(mode: str, seeds: list[dict]) -> list[str]:
     peak = DASH if all(v is None for v in col("kv_peak")) else \
         f"{cell(col('kv_peak'), '.2f')} / {cell(col('kv_dense_peak'), '.2f')}"
     rejects = any(v for v in col("rejected_tokens"))
-    return [label, cell(col("acc_dense")), cell(col("acc_sparse")), cell(col("exact_dense")),
-            f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}", cell(col("kv_saved")), peak,
+    return [label, _accuracy_cell(col("acc_dense"), prompts), _accuracy_cell(col("acc_sparse"), prompts),
+            cell(col("exact_dense")), f"{cell(col('acc0_dense'))} / {cell(col('acc0_sparse'))}",
+            cell(col("kv_saved")), peak,
             cell(col("rows_in_flight"), "int"), cell(col("rollout_total"), ".1f"), cell(col("step_mean"), ".2f"),
             cell(col("final_reward"), ".3f"),
             f"{cell(col('rejected_tokens'))} / {cell(col('rejected_seqs'))}" if rejects else DASH,
             cell(col("skipped"), "int")]
+
+
+def _accuracy_cell(values: list[float | None], prompts: int | None) -> str:
+    """`cell` with the binomial standard error (points) of one seed's figure at the mean accuracy."""
+    known = [v for v in values if v is not None]
+    return cell(values) + (standard_error(sum(known) / len(known), prompts) if known else "")
 
 
 def regime(runs: dict[str, list[dict]]) -> dict[str, Any]:
@@ -252,77 +275,13 @@ def paper_table(compare_dir: Path) -> str:
     reading the runs, if any (so the command line shows them as well as report.md)."""
     meta, runs = load(compare_dir)
     seeds = meta.get("seeds") or [0]
-    table = markdown(TABLE_HEADER, [_row(mode, s) for mode, s in runs.items()])
+    prompts = setting(meta.get("config") or {}, "eval_examples", None)
+    table = markdown(TABLE_HEADER, [_row(mode, s, prompts) for mode, s in runs.items()])
     problems = [f"- {mode}, seed {seed}: {s['problem']}" for mode, per_seed in runs.items()
                 for seed, s in zip(seeds, per_seed) if s.get("problem")]
     return f"{regime_line(runs, meta.get('config') or {})}\nSeeds: {', '.join(map(str, seeds))} " \
-           f"(cells: mean (min–max)).\n\n{table}" + \
+           f"(cells: mean (min–max); ± the binomial SE of one seed's held-out accuracy, points).\n\n{table}" + \
            ("\n\nProblems reading the runs:\n\n" + "\n".join(problems) if problems else "")
-
-
-# ---------------------------------------------------------------------------------- verdicts
-def classify_trajectory(start: float, final: float) -> str:
-    """collapsed / degraded / held / improved: final dense-inference accuracy against step 0."""
-    if final < COLLAPSE_FRAC * start:
-        return "collapsed"
-    if 100 * (final - start) < -DEGRADE_POINTS:
-        return "degraded"
-    return "improved" if 100 * (final - start) > DEGRADE_POINTS else "held"
-
-
-def agree(labels: list[str], details: list[str]) -> str:
-    """The verdict when every seed gives the same one, else `mixed` with the per-seed values."""
-    if labels and all(label == labels[0] for label in labels):
-        return f"**{labels[0]}** ({'; '.join(details)})"
-    return "**mixed** (" + "; ".join(f"seed {i}: {label}, {d}" for i, (label, d) in enumerate(zip(labels, details))) + ")"
-
-
-def findings(runs: dict[str, list[dict]], seeds: list[int]) -> list[str]:
-    """Plain sentences computed from the numbers; each states the values it rests on."""
-    out = []
-    for mode, per_seed in runs.items():
-        pairs = [(s["acc0_dense"], s["acc_dense"]) for s in per_seed
-                 if s.get("acc0_dense") is not None and s.get("acc_dense") is not None]
-        if pairs and len(pairs) == len(per_seed):
-            out.append(f"{mode}, final vs step-0 accuracy (dense inference): " + agree(
-                [classify_trajectory(a, b) for a, b in pairs], [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
-    baseline, published = mode_with_role("baseline"), mode_with_role("published")
-    dense, rl = runs.get(baseline, []), runs.get(published, [])
-    both = [(d, r) for d, r in zip(dense, rl) if d.get("acc_dense") and r.get("acc_dense") is not None]
-    if both and len(both) == len(seeds):
-        ratios = [100 * r["acc_dense"] / d["acc_dense"] for d, r in both]
-        out.append(f"Paper claim: Sparse-RL keeps ≥ {TARGET_ACC_FRAC:.0f}% of dense accuracy — " + agree(
-            ["met" if x >= TARGET_ACC_FRAC else "not met" for x in ratios], [f"{x:.1f}%" for x in ratios]))
-        sparse_pairs = [(r["acc_sparse"], d["acc_sparse"]) for d, r in both
-                        if r.get("acc_sparse") is not None and d.get("acc_sparse") is not None]
-        if len(sparse_pairs) == len(both):
-            out.append("Paper claim: the Sparse-RL model loses less under sparse inference than the dense-trained "
-                       "one (sparse-inference accuracy ≥ dense-trained's) — " + agree(
-                           ["met" if a >= b else "not met" for a, b in sparse_pairs],
-                           [f"{100 * a:.1f}% vs {100 * b:.1f}%" for a, b in sparse_pairs]))
-    else:
-        out.append(f"Paper claims: cannot be evaluated (a {baseline} or {published} run is missing for some seed).")
-    naive = runs.get(mode_with_role("uncorrected"), [])
-    pairs = [(s["acc0_dense"], s["acc_dense"]) for s in naive if s.get("acc_dense") is not None]
-    if pairs and len(pairs) == len(seeds):
-        out.append("Paper claim: naive sparse training collapses — " + agree(
-            ["met" if classify_trajectory(a, b) == "collapsed" else "not met" for a, b in pairs],
-            [f"{100 * a:.1f}% → {100 * b:.1f}%" for a, b in pairs]))
-    return out
-
-
-def caveat(runs: dict[str, list[dict]], config: dict) -> str | None:
-    examples = setting(config, "eval_examples", None)
-    steps = setting(config, "steps", None)
-    small = []
-    if isinstance(examples, int) and examples < MIN_EVAL_EXAMPLES:
-        small.append(f"{examples} held-out examples (< {MIN_EVAL_EXAMPLES})")
-    if isinstance(steps, int) and steps < MIN_STEPS:
-        small.append(f"{steps} steps (< {MIN_STEPS})")
-    seeds = len(next(iter(runs.values()), []))
-    if seeds < 3:
-        small.append(f"{seeds} seed(s) (< 3)")
-    return ("Caveat: verdicts rest on " + ", ".join(small) + "; treat them as indications.") if small else None
 
 
 # ---------------------------------------------------------------------------------- report
@@ -354,6 +313,7 @@ def write_report(compare_dir: Path) -> Path:
     """Write the plots and report.md into `compare_dir`; return report.md's path."""
     from .alpha import alpha_section, alpha_tau
     from .plots import write_plots
+    from .verdicts import paired_section, verdict_section
 
     compare_dir = Path(compare_dir)
     meta, runs = load(compare_dir)
@@ -361,7 +321,6 @@ def write_report(compare_dir: Path) -> Path:
     plots = write_plots(compare_dir, runs, alpha_tau(c))
     g = lambda k: setting(c, k)  # noqa: E731
     seeds = meta.get("seeds") or [0]
-    note = caveat(runs, c)
     lines = [
         "# Sparse-RL comparison report", "",
         f"Modes: {', '.join(runs)}; seeds {', '.join(map(str, seeds))}. Each run trained {g('steps')} steps on "
@@ -373,7 +332,9 @@ def write_report(compare_dir: Path) -> Path:
         "(incomplete runs: their latest in-training evaluation); exact walks are responses equal to the "
         "demonstration. Peak KV MiB is a run's largest `kv_peak_bytes` over its training steps; KV saved is 1 − that "
         "peak / the dense run's of the same seed (the same prompts at every step). Final train reward is the mean "
-        "`reward_mean` over the last 10% of steps.", "",
+        "`reward_mean` over the last 10% of steps. ± after a held-out accuracy: the binomial standard error, in "
+        "points, of one seed's figure at that accuracy on the held-out prompts.", "",
+        *paired_section(runs, c),
         "## Mismatch metrics (over training)", "",
         "`flagged_*` fractions are what Sparse-RL's default filters flag, in every mode, whatever it applies.", "",
         _mismatch_table(runs), "",
@@ -384,11 +345,8 @@ def write_report(compare_dir: Path) -> Path:
         _length_table(runs), "",
         *alpha_section(runs, c),
         "## Plots", "", *[f"![{name}]({name})\n" for name in plots],
-        "## Verdicts", "",
-        f"Thresholds: *collapsed* if final dense-inference accuracy < {COLLAPSE_FRAC:.0%} of its step-0 value; "
-        f"*degraded* if more than {DEGRADE_POINTS:.0f} points below step 0; *improved* if more than "
-        f"{DEGRADE_POINTS:.0f} points above; otherwise *held*. A verdict is given only when every seed agrees.", "",
-    ] + ([note, ""] if note else []) + [f"- {sentence}" for sentence in findings(runs, seeds)]
+        *verdict_section(runs, seeds, c),
+    ]
     path = compare_dir / REPORT_FILE
     path.write_text("\n".join(lines) + "\n")
     return path
