@@ -3,6 +3,8 @@
 - no cycle at any package level: among the top-level packages and modules of `sparserl`, and among the children
   of every package inside it (`rollout/`'s rooms, `dispatch/`'s modules, ...), counting `from .. import x` and
   imports inside functions; an import under `if TYPE_CHECKING:` runs nowhere and does not count;
+- no cycle among the files either, and there an import under `if TYPE_CHECKING:` counts: two files that each need
+  the other to be read are one room, whether the import runs or only names a type;
 - imports point down the stack: commands → one run → the learner → the config → the rollout side → the model →
   rewards → tasks → errors. The config sits above the rollout side and the tasks because it derives flags from
   their registries (KV policies, tasks, dispatch backends), which live below it;
@@ -57,13 +59,14 @@ def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
     return skipped
 
 
-def _imports(name: str, source: str) -> set[str]:
+def _imports(name: str, source: str, type_only_too: bool = False) -> set[str]:
     """Absolute names of everything module `name` (`source`) imports, at any depth; `from X import y`
-    names `X` and, when `y` is a module of the package, `X.y` too (`from .. import learner`)."""
+    names `X` and, when `y` is a module of the package, `X.y` too (`from .. import learner`). Imports under
+    `if TYPE_CHECKING:` only with `type_only_too`."""
     is_package = name.endswith(".__init__") or name == "__init__"
     package = name.split(".")[:-1]
     tree = ast.parse(source)
-    skipped = _type_checking_only(tree)
+    skipped = set() if type_only_too else _type_checking_only(tree)
     found = set()
     for node in ast.walk(tree):
         if node in skipped:
@@ -95,6 +98,22 @@ def _layer(part: str) -> int:
 
 GRAPH = {name: {t for t in _imports(name, path.read_text()) if t.startswith("sparserl")}
          for name, path in MODULES.items()}
+
+
+def _file(target: str) -> str | None:
+    """The file an imported name runs: `rollout.batch`, or a package's `__init__` (None outside sparserl)."""
+    inside = target.removeprefix("sparserl").lstrip(".")
+    if inside in MODULES:
+        return inside
+    init = f"{inside}.__init__" if inside else "__init__"
+    return init if init in MODULES else None
+
+
+def _file_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Edges between files (`sources`: module name -> its text), type-only imports included."""
+    return {name: {f for target in _imports(name, source, type_only_too=True) if target.startswith("sparserl")
+                   if (f := _file(target)) is not None and f != name}
+            for name, source in sources.items()}
 
 
 def _children_graph(package: str) -> dict[str, set[str]]:
@@ -158,6 +177,19 @@ def test_every_module_belongs_to_a_layer():
 def test_no_cycle_among_the_children_of_any_package(package):
     cycle = _cycle(_children_graph(package))
     assert cycle is None, f"in {package or 'sparserl'}: {' -> '.join(cycle)}"
+
+
+def test_no_cycle_among_files_type_only_imports_included():
+    cycle = _cycle(_file_graph({name: path.read_text() for name, path in MODULES.items()}))
+    assert cycle is None, f"files that import each other: {' -> '.join(cycle)}"
+
+
+def test_the_file_graph_sees_a_cycle_made_only_of_a_type_import():
+    """schema.py and validation.py imported each other this way before issue 56: the check must fail on it."""
+    sources = {name: path.read_text() for name, path in MODULES.items()}
+    sources["config.validation"] += "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .schema import X\n"
+    assert _cycle(_file_graph(sources)) in (["config.schema", "config.validation", "config.schema"],
+                                            ["config.validation", "config.schema", "config.validation"])
 
 
 @pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith("rollout.")))

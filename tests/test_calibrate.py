@@ -145,3 +145,51 @@ def test_recalibration_measures_the_sampler_with_its_distill_sparse_adapter():
     adapted = calibrate(adapter.active)
     assert plain and all(tail == pytest.approx(1.0, abs=1e-5) for tail in plain.values())
     assert min(adapted.values()) < 0.99
+
+
+def test_calibrate_says_what_its_schedule_saves_and_the_tau_where_saving_starts(tiny_model_dir, tmp_path, capsys):
+    """A τ no evicting budget reaches picks the budget that holds every sequence whole: it saves nothing, which is
+    said in one line with the τ at which budget 6 would pass (worked out here from the fixed budgets' tails); at
+    that τ the schedule evicts and saves memory by peak."""
+    settings = ["--model", str(tiny_model_dir), "--calibration-budgets", "6,4096", "--alpha-bin-size", "8",
+                "--kv-window", "3", "--kv-interval", "3", "--difficulty", "4", "--calibration-prompts", "2",
+                "--calibration-samples", "2", "--threads", "1"]
+    assert main(["calibrate", "--out", str(tmp_path / "strict"), "--alpha-tau", "0.99999", *settings]) == 0
+    strict = json.loads((tmp_path / "strict" / "calibration.json").read_text())
+    assert set(strict["schedule"]) == {4096}
+    assert strict["kv_saved"] == 0.0 and strict["kv_peak_bytes"]["schedule"] == strict["kv_peak_bytes"]["dense"]
+    assert strict["kv_saved_greedy"] == 0.0
+    # Budget 6 is below what a dense cache holds in every bin the rollouts reach (their prompts alone are longer).
+    bins = [int(start) for start in strict["tails"]["6"]]
+    assert min(bins) + 8 > 6 and strict["longest_sequence"] > 6
+    starts = max(strict["tails"]["6"].values())
+    assert strict["saving_starts_at_tau"] == pytest.approx(starts)
+    said = f"{int(starts * 1000) / 1000:.3f}"
+    warning = [line for line in capsys.readouterr().err.splitlines() if "saves no KV memory" in line]
+    assert len(warning) == 1 and warning[0].startswith("calibrate: warning:")
+    assert warning[0] == f"calibrate: warning: {strict['kv_warning']}"
+    assert f"would start to evict at --alpha-tau {said} or lower" in warning[0]
+    assert "saves no KV memory" in (tmp_path / "strict" / "calibration.md").read_text()
+
+    assert main(["calibrate", "--out", str(tmp_path / "loose"), "--alpha-tau", said, *settings]) == 0
+    loose = json.loads((tmp_path / "loose" / "calibration.json").read_text())
+    assert 6 in loose["schedule"]
+    assert loose["kv_peak_bytes"]["dense"] == strict["kv_peak_bytes"]["dense"]  # the same prompts, seed and samples
+    assert loose["kv_peak_bytes"]["schedule"] < loose["kv_peak_bytes"]["dense"]
+    peaks = loose["kv_peak_bytes"]
+    assert loose["kv_saved"] == pytest.approx(1 - peaks["schedule"] / peaks["dense"])
+    assert loose["kv_saved_greedy"] > 0  # every prompt is longer than 6 tokens: greedy answers evict too
+    assert "saves no KV memory" not in capsys.readouterr().err
+
+
+def test_where_saving_starts_by_hand():
+    from sparserl.experiments.calibrate import saving_starts_at
+
+    tails = {24: {0: 1.0, 16: 0.70, 32: 0.40}, 40: {0: 1.0, 16: 1.0, 32: 0.90}, 96: {0: 1.0, 16: 1.0, 32: 1.0}}
+    # Sequences of at most 40 tokens: a dense cache holds 16, 32 and 40 tokens by the ends of the three bins, so
+    # 24 evicts in bins 16 and 32 (0.70, 0.40), 40 and 96 nowhere; bin 0 evicts under no budget.
+    assert saving_starts_at(tails, bin_size=16, longest=40) == pytest.approx(0.70)
+    # Sequences of 60 tokens: bin 32 holds up to 48, so 40 evicts there too (0.90).
+    assert saving_starts_at(tails, bin_size=16, longest=60) == pytest.approx(0.90)
+    # Sequences of 20 tokens: no budget tried evicts.
+    assert saving_starts_at(tails, bin_size=16, longest=20) is None

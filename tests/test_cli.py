@@ -183,6 +183,41 @@ def test_unknown_flag_is_a_usage_error(capsys):
     assert err.startswith("usage: sparserl train") and "unrecognized arguments: --kv-budgett 3" in err
 
 
+@pytest.mark.parametrize("argv, told", [
+    (["calibrate", "--tau", "0.86", "--prompts", "32"],  # --out missing too: the rename is said first
+     "--tau is now --alpha-tau; --prompts is now --calibration-prompts (renamed)"),
+    (["calibrate", "--out", "c", "--budgets=32,64", "--bin-size", "8", "--samples", "2"],
+     "--budgets is now --calibration-budgets; --bin-size is now --alpha-bin-size; "
+     "--samples is now --calibration-samples"),
+])
+def test_a_renamed_flag_says_its_new_name(capsys, argv, told):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and told in err and "unrecognized arguments" not in err
+
+
+def test_every_renamed_flag_names_a_flag_its_command_has_and_is_no_longer_one():
+    from sparserl.cli import _build_parser
+    from sparserl.commands import COMMANDS
+
+    for name, registered in COMMANDS.items():
+        flags = set(_build_parser(name)[1]._option_string_actions)
+        for old, new in registered.renamed.items():
+            assert new in flags and old not in flags, (name, old, new)
+
+
+def test_speculative_help_says_what_it_buys_and_what_it_costs_as_measured(capsys):
+    """The figures are docs/benchmarks.md's: the H200 table's spec rows and the CPU table's CPU-time ratios."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    start = help_text.index("--speculative [BOOL] lossless")  # its help, past the usage line
+    speculative = help_text[start:help_text.index("--speculative-draft", start)]
+    for needle in ("exact dense samples", "0.16-0.27x dense's tokens/s", "H200", "0.69-1.12x", "CPU"):
+        assert needle in speculative, needle
+
+
 def test_eval_missing_model_says_what_to_do(capsys, tmp_path):
     code = main(["eval", "--out", str(tmp_path / "e.json"), "--model", "/nonexistent", "--n", "1"])
     assert code == 2
@@ -229,6 +264,11 @@ def test_an_abbreviated_flag_is_not_taken_for_another(capsys, tmp_path):
     (["sweep", "--out", "{tmp}/s.json", "--budgets", "4,40"], "--budgets: 4 do(es) not exceed kv_window (8)"),
     (["eval", "--out", "{tmp}/e.json", "--inference", "dense", "--kv-budget", "12", "--n", "1"],
      "--inference dense decodes with the whole cache, so --kv-budget would do nothing"),
+    (["eval", "--out", "{tmp}/e.json", "--inference", "dense", "--alpha", "true", "--alpha-bin-size", "8"],
+     "--inference dense measures no α (α compares a sparse sampler with the dense model), so --alpha, "
+     "--alpha-bin-size would do nothing; drop it, or ask --inference sparse or both"),
+    (["eval", "--out", "{tmp}/e.json", "--alpha", "false"],
+     "dense inference (the default without --kv-* flags) measures no α"),
     (["train", "--out", "{tmp}/r", "--mode", "geo-rs", "--is-cap", "3"],
      "--is-cap would do nothing: mode geo-rs weights every token by 1 (is_mode none)"),
     (["compare", "--out", "{tmp}/c", "--modes", "dense,sparse-rs", "--is-level", "sequence", "--batch-normalize"],

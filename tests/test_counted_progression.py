@@ -28,12 +28,12 @@ def test_counted_progression_answers_by_hand():
 PROGRESSION_PROMPT = re.compile(r"^Start at (\d+) and add (\d+) to it (\d+) times, one numbered line per addition\.\n$")
 
 
-@pytest.mark.parametrize("low, high, largest, k", [(12, 16, 9, 1), (16, 20, 9, 0), (1, 3, 2, 2), (5, 5, 19, 3)])
+@pytest.mark.parametrize("low, high, largest, k", [(12, 16, 9, 1), (16, 20, 9, 0), (2, 4, 2, 2), (5, 5, 19, 3)])
 def test_counted_progression_prompts_labels_and_answers_agree(low, high, largest, k):
     task = CountedProgressionTask(progression_steps=high, min_progression_steps=low, max_increment=largest,
                                   count_every=k)
     for split in ("train", "test"):
-        for example in task.examples(40, seed=4, split=split):  # (1..3, 2): 54 held-out prompts in all
+        for example in task.examples(40, seed=4, split=split):  # (2..4, 2): 46 held-out prompts in all
             match = PROGRESSION_PROMPT.match(example.prompt)
             assert match, example.prompt
             start, step, count = map(int, match.groups())
@@ -63,7 +63,10 @@ def test_counted_progression_holds_out_distinct_prompts_it_never_trains_on():
     ({"progression_steps": 0}, "--progression-steps must be in 1..99, got 0"),
     ({"progression_steps": 10, "min_progression_steps": 11}, "--min-progression-steps must be in 1..progression_st"),
     ({"max_increment": 1}, "--max-increment must be in 2..99, got 1"),
-    ({"count_every": 17}, r"--count-every must be in 0..progression_steps \(16\)"),
+    ({"count_every": 17}, r"--count-every must be in 0..min_progression_steps \(12\)"),
+    # 12..16 additions: k = 14 would leave a 12- or 13-addition answer without its count restated
+    ({"count_every": 14}, r"--count-every must be in 0..min_progression_steps \(12\), so that every answer "
+                          r"restates its count; 0 = only in the prompt, got 14"),
 ])
 def test_counted_progression_bad_options_name_the_flag(options, message):
     """The config (before any model loads) and the constructor refuse the same values with the same message."""
@@ -115,3 +118,34 @@ def test_line_prefix_credit_by_hand_and_through_the_reward_runner():
     first_line_wrong = "1/4: 0 + 0 = 0\n" + answer.split("\n", 1)[1]
     scores = runner.score_examples(examples * 2, [answer, first_line_wrong], [[1], [1]])
     assert scores == pytest.approx([1.0 + 0.5, 0.0])
+
+
+def _pinned_digest(task) -> str:
+    """A digest of 30 examples per split and seed (prompt, label, demonstration, extra), in a fixed order."""
+    import hashlib
+    import json
+
+    rows = [[e.prompt, e.label, e.demonstration, e.extra] for split in ("train", "test") for seed in (0, 1)
+            for e in task.examples(30, seed=seed, split=split)]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def test_prompts_and_answers_are_those_recorded_before_the_line_task_base():
+    """Recorded from the code before the counted progression and the running total shared a base (issue 56):
+    the same seeds still give the same prompts, answers and response bounds."""
+    task = CountedProgressionTask(progression_steps=5, min_progression_steps=3, max_increment=4, count_every=2)
+    first, second = task.examples(2, seed=7, split="train")
+    assert (first.prompt, first.label, first.extra) == (
+        "Start at 38 and add 3 to it 4 times, one numbered line per addition.\n", "50",
+        {"start": 38, "increment": 3, "count": 4})
+    assert first.demonstration == ("1: 38 + 3 = 41\n2/4: 41 + 3 = 44\n3: 44 + 3 = 47\n4/4: 47 + 3 = 50\n"
+                                   "The result is 50.")
+    assert second.prompt == "Start at 56 and add 4 to it 5 times, one numbered line per addition.\n"
+    held_out = task.examples(2, seed=7, split="test")
+    assert [e.prompt for e in held_out] == ["Start at 89 and add 2 to it 3 times, one numbered line per addition.\n",
+                                            "Start at 97 and add 3 to it 4 times, one numbered line per addition.\n"]
+    assert task.default_max_new_tokens == 121
+    default = CountedProgressionTask()
+    assert (_pinned_digest(default), default.default_max_new_tokens) == ("cf463faa75842aaa", 446)
+    sparse_counts = CountedProgressionTask(count_every=3, min_progression_steps=12, progression_steps=16)
+    assert (_pinned_digest(sparse_counts), sparse_counts.default_max_new_tokens) == ("e24c3e3ed3fb45bb", 362)

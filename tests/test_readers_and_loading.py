@@ -44,6 +44,40 @@ def test_a_last_line_that_parses_but_is_no_step_record_is_an_error(tmp_path):
         read_metrics(path)
 
 
+
+# ---------------------------------------------------------------------------- a math JSONL file
+# (A raw form feed is no test: JSON refuses control characters below U+0020 inside a string.)
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\u0085"])
+def test_a_jsonl_record_with_a_raw_line_separator_in_a_string_is_one_record(tmp_path, separator):
+    """JSON allows these characters unescaped inside a string; JSON Lines breaks records at "\\n" (and "\\r\\n")
+    only. `str.splitlines()` breaks at all of them and cut such a record in two."""
+    from sparserl.tasks.math_jsonl import MathJsonlTask
+
+    prompt = f"first part{separator}second part"
+    # Written by hand, not by json.dumps (which would escape the separator): the raw character sits in the file.
+    text = ('{"prompt": "What is 1 + 1?", "label": "2"}\r\n'
+            f'{{"prompt": "{prompt}", "label": "7"}}\r\n'
+            '\n'
+            '{"prompt": "What is 2 + 2?", "label": 4}\n')
+    assert separator in text and "\\u" not in text
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(text.encode("utf-8"))
+    task = MathJsonlTask(path, test_fraction=0.34)
+    records = task.examples(2, seed=0, split="train") + task.examples(1, seed=0, split="test")
+    by_line = {e.extra["line"]: (e.prompt, e.label) for e in records}
+    assert by_line == {1: ("What is 1 + 1?", "2"), 2: (prompt, "7"), 4: ("What is 2 + 2?", "4")}
+
+
+def test_a_bad_jsonl_record_is_named_by_its_newline_counted_line(tmp_path):
+    from sparserl.errors import DataError
+    from sparserl.tasks.math_jsonl import MathJsonlTask
+
+    path = tmp_path / "data.jsonl"
+    path.write_bytes('{"prompt": "a\u2028b", "label": "1"}\n{"prompt": "c", "label": "2"}\n{"prompt": \n'.encode())
+    with pytest.raises(DataError, match=r"data.jsonl line 3: invalid JSON"):
+        MathJsonlTask(path)
+
+
 # ---------------------------------------------------------------------------- model directories
 @pytest.fixture
 def model_copy(tiny_model_dir, tmp_path) -> Path:

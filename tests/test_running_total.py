@@ -320,3 +320,36 @@ def test_sft_refuses_a_start_with_no_room_and_saves_nothing(tmp_path):
     with pytest.raises(UserError, match="no held-out probe reached the band"):
         sft(_sft_config(model_dir), settings)
     assert not (tmp_path / "warm").exists()
+
+
+def _pinned_digest(task) -> str:
+    """A digest of 30 examples per split and seed (prompt, label, demonstration, extra), in a fixed order."""
+    import hashlib
+
+    rows = [[e.prompt, e.label, e.demonstration, e.extra] for split in ("train", "test") for seed in (0, 1)
+            for e in task.examples(30, seed=seed, split=split)]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def test_prompts_and_answers_are_those_recorded_before_the_line_task_base():
+    """Recorded from the code before the running total and the counted progression shared a base (issue 56):
+    the same seeds still give the same prompts, answers and response bounds."""
+    task = RunningTotalTask(operands=5, min_operands=3, max_operand=9, restate_every=2)
+    first, second = task.examples(2, seed=7, split="train")
+    assert (first.prompt, first.label, first.extra) == (
+        "Keep a running total of these numbers; after every 2 sums, list the numbers left.\n3, 3, 1, 6\n", "13",
+        {"numbers": [3, 3, 1, 6]})
+    assert first.demonstration == "3\n3 + 3 = 6\n6 + 1 = 7; left: 6\n7 + 6 = 13\nThe total is 13."
+    assert second.demonstration == "4\n4 + 7 = 11\n11 + 1 = 12\nThe total is 12."
+    assert task.default_max_new_tokens == 98
+    wide = RunningTotalTask(operands=4, min_operands=4, max_operand=20)
+    assert [e.prompt for e in wide.examples(2, seed=7, split="test")] == [
+        "Add these numbers one at a time, from left to right, writing the running total after each.\n"
+        "Numbers: 17, 13, 15, 12",
+        "Add these numbers one at a time, from left to right, writing the running total after each.\n"
+        "Numbers: 20, 13, 19, 2"]
+    assert wide.default_max_new_tokens == 76
+    default = RunningTotalTask()
+    assert (_pinned_digest(default), default.default_max_new_tokens) == ("c877d17a81309398", 305)
+    restating = RunningTotalTask(restate_every=4)
+    assert (_pinned_digest(restating), restating.default_max_new_tokens) == ("b4ceacc135c204db", 445)

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser, sub = _build_parser(chosen if chosen in COMMANDS else None)
+    # Before parsing: an old name is told its new one even where a missing flag would be the first error.
+    renamed = COMMANDS[chosen].renamed_in(argv) if chosen in COMMANDS else []
+    if renamed:
+        sub.error(f"{'; '.join(renamed)} (renamed); `sparserl {chosen} --help` lists the flags")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser, so that its usage line, not the top level's, comes with it
         (sub or parser).error(f"unrecognized arguments: {' '.join(unknown)}")

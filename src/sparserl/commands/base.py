@@ -6,26 +6,34 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: its one-line help, what adds its flags to its parser, and what runs it (an exit code)."""
+    """A subcommand: its one-line help, what adds its flags to its parser, what runs it (an exit code), and its
+    flags renamed lately (old -> new), so that an old command line is told the new name."""
 
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    renamed: dict[str, str] = field(default_factory=dict)
+
+    def renamed_in(self, argv: list[str]) -> list[str]:
+        """One "--old is now --new" for each renamed flag in `argv` (`--old` or `--old=V`)."""
+        return [f"{old} is now {self.renamed[old]}" for old in (arg.split("=", 1)[0] for arg in argv)
+                if old in self.renamed]
 
 
 COMMANDS: dict[str, Command] = {}  # filled by @command, in the order `commands/__init__.py` imports them
 
 
-def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda sub: None):
-    """Register the decorated function as `sparserl NAME`."""
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda sub: None,
+            renamed: dict[str, str] | None = None):
+    """Register the decorated function as `sparserl NAME`; `renamed`: its old flags and their new names."""
     def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        COMMANDS[name] = Command(help, add_arguments, run)
+        COMMANDS[name] = Command(help, add_arguments, run, dict(renamed or {}))
         return run
     return register
 

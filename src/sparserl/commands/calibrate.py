@@ -25,7 +25,10 @@ def _arguments(sub) -> None:
 
 @command("calibrate",
          "per cached-length bin, the smallest KV budget whose acceptance-rate tail stays >= tau (Sparrow)",
-         _arguments)
+         _arguments,
+         # renamed on 2026-11-28 to the config's names, shared with `train --recalibrate-every`
+         renamed={"--tau": "--alpha-tau", "--budgets": "--calibration-budgets", "--bin-size": "--alpha-bin-size",
+                  "--prompts": "--calibration-prompts", "--samples": "--calibration-samples"})
 def _calibrate(args) -> int:
     from ..config.validation import calibration_budgets
     from ..experiments.calibrate import calibration_table, run_calibration
@@ -44,5 +47,7 @@ def _calibrate(args) -> int:
                              bin_size=rollout.alpha_bin_size, prompts=rollout.calibration_prompts,
                              samples=rollout.calibration_samples)
     print(calibration_table(result))
+    if result["kv_warning"]:
+        print(f"calibrate: warning: {result['kv_warning']}", file=sys.stderr)
     print(f"\nschedule: {out / SCHEDULE_FILE} (use it with --kv-schedule); plot: {out / CALIBRATION_PLOT_FILE}")
     return 0

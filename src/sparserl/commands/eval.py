@@ -28,15 +28,35 @@ def _arguments(sub) -> None:
                           "flag is given")
     sub.add_argument("--answers", metavar="FILE.jsonl", default=None,
                      help="also write every greedy answer (inference, prompt, label, completion, correct), a line each")
-    sub.add_argument("--alpha", metavar="BOOL", type=lambda value: coerce(value, bool, "--alpha"), default=True,
+    sub.add_argument("--alpha", metavar="BOOL", type=lambda value: coerce(value, bool, "--alpha"), default=None,
                      help="under sparse inference, replay the greedy answers through the dense model for α per "
                           "cached-length bin (default: true; about twice the greedy pass's time on a real model)")
+
+
+def _chosen_inference(args, overrides: dict) -> str:
+    """The inference `--inference` asks for (when not given: sparse if a --kv-* flag is typed, else dense), after
+    refusing the flags dense inference would not read: a whole cache keeps no budget, and α compares a sparse
+    sampler with the dense model."""
+    from ..errors import ConfigError
+
+    typed_kv = [k for k in overrides if k.startswith("kv_")]
+    if args.inference == "dense" and typed_kv:
+        flags = ", ".join("--" + k.replace("_", "-") for k in typed_kv)
+        raise ConfigError(f"--inference dense decodes with the whole cache, so {flags} would do nothing; drop it, "
+                          "or ask --inference sparse or both")
+    inference = args.inference or ("sparse" if typed_kv else "dense")
+    typed_alpha = [flag for flag, typed in (("--alpha", args.alpha is not None),
+                                            ("--alpha-bin-size", "alpha_bin_size" in overrides)) if typed]
+    if inference == "dense" and typed_alpha:
+        chosen = "--inference dense" if args.inference else "dense inference (the default without --kv-* flags)"
+        raise ConfigError(f"{chosen} measures no α (α compares a sparse sampler with the dense model), so "
+                          f"{', '.join(typed_alpha)} would do nothing; drop it, or ask --inference sparse or both")
+    return inference
 
 
 @command("eval", "held-out accuracy and pass@k, dense or sparse inference", _arguments)
 def _eval(args) -> int:
     from ..config.flags import overrides_from_args
-    from ..errors import ConfigError
     from ..experiments.eval import config_for_eval, resolve_model, run_eval
 
     check_ranges(args, {"n": (1, float("inf"), "the number of held-out prompts, at least 1"),
@@ -47,20 +67,15 @@ def _eval(args) -> int:
     overrides = overrides_from_args(args)
     config = config_for_eval(args.config, overrides)
     refuse_adaptive_schedule(config, "eval")
-    typed_kv = [k for k in overrides if k.startswith("kv_")]
-    if args.inference == "dense" and typed_kv:
-        flags = ", ".join("--" + k.replace("_", "-") for k in typed_kv)
-        raise ConfigError(f"--inference dense decodes with the whole cache, so {flags} would do nothing; drop it, "
-                          "or ask --inference sparse or both")
-    inference = args.inference or ("sparse" if typed_kv else "dense")
+    inference = _chosen_inference(args, overrides)
     if args.inference is None and inference == "dense" and (args.config or resolve_model(config.model.model)[1]):
         rollout = config.rollout
         sampler = "block-sparse attention" if rollout.sparsity == "block" else rollout.kv_policy
         print(f"eval: dense inference (the default); --inference sparse or both decodes with the config's sparse "
               f"sampler too ({sampler}, budget {rollout.kv_budget})", file=sys.stderr)
     answers: list[dict] | None = [] if args.answers else None
-    result = run_eval(config, n=args.n, samples=args.samples, inference=inference, measure_alpha=args.alpha,
-                      answers=answers)
+    result = run_eval(config, n=args.n, samples=args.samples, inference=inference,
+                      measure_alpha=args.alpha is not False, answers=answers)
     write_json(Path(args.out), result)
     if answers is not None:
         write_jsonl(Path(args.answers), answers, "--answers")

@@ -74,7 +74,7 @@ class RolloutConfig:
     sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
-    speculative: bool = False  # lossless rollouts: a sparse draft (speculative_draft, kv_budget) proposes draft_tokens tokens, the dense model verifies them; exact dense samples, so no mismatch to correct (pays only at long contexts, docs/benchmarks.md)
+    speculative: bool = False  # lossless rollouts: a sparse draft (speculative_draft, kv_budget) proposes draft_tokens tokens, the dense model verifies them. Buys exact dense samples, so no mismatch to correct; costs speed: measured at 0.16-0.27x dense's tokens/s on one H200 (4096-8192 tokens, 64-512 rows) and 0.69-1.12x by CPU time on a 2-core CPU (1024-4096 tokens, 32 rows), docs/benchmarks.md
     speculative_draft: str = "block"  # speculative (rollout/speculative/drafts/): the draft reads block-sparse pages (kv_budget, block_*) or a window of kv_budget slots (the first min(64, kv_budget / 4) and the most recent)
     draft_tokens: int | Literal["adaptive"] = 4  # speculative: tokens drafted per verification, or adaptive (1-8, from the running acceptance rate and step costs)
     rollout_workers: int = 0  # Ray actors that sample rollouts (0: in this process); needs pip install -e ".[ray]"

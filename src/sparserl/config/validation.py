@@ -1,11 +1,14 @@
 """Checks of a whole experiment configuration that its types alone cannot express (`validate`, which
 `schema.load_config` runs): cross-field rules, and the values of task, KV-policy, schedule, speculative and worker
-options, refused in one line before any model or data loads."""
+options, refused in one line before any model or data loads.
+
+The checks sit below the schema: the schema hands each config to them, and they read its sections by name without
+importing it (`config` is an `ExperimentConfig`, `rollout` a `RolloutConfig`, `task` a `TaskConfig`), so that the
+two files do not import each other."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..rollout.sizes import parse_memory
@@ -14,11 +17,8 @@ from ..tasks.registry import TASK_OPTIONS, task_class
 from .presets import load_preset
 from .values import coerce
 
-if TYPE_CHECKING:
-    from .schema import ExperimentConfig, RolloutConfig, TaskConfig
 
-
-def validate(config: ExperimentConfig) -> None:
+def validate(config) -> None:
     """Cross-field checks that the types alone cannot express."""
     checks = [
         (config.rollout.group_size >= 2, "group_size must be >= 2 (GRPO needs a group to compare)"),
@@ -86,7 +86,7 @@ def validate(config: ExperimentConfig) -> None:
         raise ConfigError(f"minibatches ({config.train.minibatches}) must divide prompts_per_step x group_size ({total})")
 
 
-def calibration_budgets(rollout: RolloutConfig) -> list[int]:
+def calibration_budgets(rollout) -> list[int]:
     budgets = [coerce(b.strip(), int, "calibration_budgets") for b in rollout.calibration_budgets.split(",") if b.strip()]
     if not budgets or min(budgets) <= rollout.kv_window:
         raise ConfigError(f"calibration_budgets must list budgets above kv_window ({rollout.kv_window}), "
@@ -94,7 +94,7 @@ def calibration_budgets(rollout: RolloutConfig) -> list[int]:
     return budgets
 
 
-def _validate_recalibration(rollout: RolloutConfig) -> None:
+def _validate_recalibration(rollout) -> None:
     if rollout.alpha_every < 0:
         raise ConfigError("alpha_every must be >= 0 (0: never)")
     if rollout.kv_schedule == "adaptive" and rollout.alpha_every != 1:
@@ -110,7 +110,7 @@ def _validate_recalibration(rollout: RolloutConfig) -> None:
     calibration_budgets(rollout)
 
 
-def _validate_block(rollout: RolloutConfig) -> None:
+def _validate_block(rollout) -> None:
     if rollout.block_page_size < 1 or rollout.block_dense_layers < 0:
         raise ConfigError("block_page_size must be >= 1 and block_dense_layers >= 0")
     always = 3 * rollout.block_page_size  # the first page and the 2 most recent
@@ -119,7 +119,7 @@ def _validate_block(rollout: RolloutConfig) -> None:
                           f"recent pages, at least 3 x block_page_size = {always} tokens")
 
 
-def _validate_speculative(config: ExperimentConfig) -> None:
+def _validate_speculative(config) -> None:
     from ..rollout.speculative.drafts import DRAFTS
 
     rollout = config.rollout
@@ -141,7 +141,7 @@ def _validate_speculative(config: ExperimentConfig) -> None:
                           f"cover the first and the 2 most recent pages, at least {always} tokens")
 
 
-def _validate_workers(rollout: RolloutConfig) -> None:
+def _validate_workers(rollout) -> None:
     from ..rollout.dispatch.backends import BACKENDS
 
     if rollout.rollout_backend != "auto" and rollout.rollout_backend not in BACKENDS:
@@ -164,7 +164,7 @@ def _validate_workers(rollout: RolloutConfig) -> None:
             raise ConfigError(message)
 
 
-def _validate_task_options(task: TaskConfig) -> None:
+def _validate_task_options(task) -> None:
     """An unknown task, an option set away from its default that the task does not take, or an option value
     its task refuses, is an error (said before any model or data loads)."""
     name = task_class(task.task).registered_name
@@ -180,7 +180,7 @@ def _validate_task_options(task: TaskConfig) -> None:
             raise ConfigError(problem)
 
 
-def _validate_kv_policy(rollout: RolloutConfig) -> None:
+def _validate_kv_policy(rollout) -> None:
     """An unknown policy, or an option set away from its default that the policy does not take, is an error;
     the policy itself checks its options' values (built here once, so a bad one fails before any model loads)."""
     from ..rollout.sparsity.policies import POLICIES

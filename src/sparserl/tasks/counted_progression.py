@@ -29,18 +29,10 @@ from __future__ import annotations
 import random
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError
-from .base import (
-    Example,
-    TaskOption,
-    exact_answer_rewards,
-    line_walk_metrics,
-    range_check,
-    range_problems,
-    register_task,
-)
+from .base import Example
+from .line_task import LineTask, line_option, register_line_task
 
 MAX_STEPS = 99
 TEST_SHARE = 5  # one (a, d, n) in this many is held out
@@ -64,50 +56,29 @@ def prompt(start: int, increment: int, count: int) -> str:
     return f"Start at {start} and add {increment} to it {count} times, one numbered line per addition.\n"
 
 
-def option_problems(options) -> dict[str, str]:
-    """What is wrong with each option of `options` (the config's task section or the task), by key."""
-    steps = options.progression_steps
-    return range_problems("counted_progression", {
-        "progression_steps": (1, MAX_STEPS, str(MAX_STEPS), steps),
-        "min_progression_steps": (1, steps, f"progression_steps ({steps})", options.min_progression_steps),
-        "max_increment": (2, 99, "99", options.max_increment),
-        "count_every": (0, steps, f"progression_steps ({steps}); 0 = only in the prompt", options.count_every)})
-
-
-@register_task(
-    "counted_progression",
-    TaskOption("progression_steps", int, 20, f"counted_progression: the largest count (1..{MAX_STEPS})",
-               check=range_check(option_problems, "progression_steps")),
-    TaskOption("min_progression_steps", int, 16, "counted_progression: the smallest count (1..progression_steps)",
-               check=range_check(option_problems, "min_progression_steps")),
-    TaskOption("max_increment", int, 9, "counted_progression: the largest step added (each is drawn from 2..it)",
-               check=range_check(option_problems, "max_increment")),
-    TaskOption("count_every", int, 1, "counted_progression: every k-th line restates the count (0 = never)",
-               check=range_check(option_problems, "count_every")))
+@register_line_task("counted_progression")
 @dataclass(frozen=True)
-class CountedProgressionTask:
-    progression_steps: int = 20
-    min_progression_steps: int = 16
-    max_increment: int = 9
-    count_every: int = 1
+class CountedProgressionTask(LineTask):
+    progression_steps: int = line_option(20, f"the largest count (1..{MAX_STEPS})")
+    min_progression_steps: int = line_option(16, "the smallest count (1..progression_steps)")
+    max_increment: int = line_option(9, "the largest step added (each is drawn from 2..it)")
+    count_every: int = line_option(1, "every k-th line restates the count (0..min_progression_steps; 0 = never)")
     name: str = "counted_progression"
 
     @classmethod
-    def from_config(cls, config) -> CountedProgressionTask:
-        return cls(progression_steps=config.progression_steps, min_progression_steps=config.min_progression_steps,
-                   max_increment=config.max_increment, count_every=config.count_every)
+    def option_bounds(cls, options) -> dict[str, tuple[int, int, str]]:
+        steps, fewest = options.progression_steps, options.min_progression_steps
+        # Against the smallest count, not the largest: a prompt of fewer additions than k would restate no count.
+        return {"progression_steps": (1, MAX_STEPS, str(MAX_STEPS)),
+                "min_progression_steps": (1, steps, f"progression_steps ({steps})"),
+                "max_increment": (2, 99, "99"),
+                "count_every": (0, fewest, f"min_progression_steps ({fewest}), so that every answer restates its "
+                                           "count; 0 = only in the prompt")}
 
-    def __post_init__(self) -> None:
-        problems = option_problems(self)
-        if problems:
-            raise ConfigError(next(iter(problems.values())))
-
-    @property
-    def default_max_new_tokens(self) -> int:
-        """Room for the longest answer in characters (no tokenizer needs more tokens than that), and a margin."""
+    def longest_answer_chars(self) -> int:
         digits = len(str(99 + self.progression_steps * self.max_increment))
         per_line = 2 * len(str(self.progression_steps)) + 2 * digits + len(str(self.max_increment)) + 10
-        return self.progression_steps * per_line + len("The result is .") + digits + 8
+        return self.progression_steps * per_line + len("The result is .") + digits
 
     def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
         """Training examples are drawn with replacement from the training prompts; held-out ones are distinct
@@ -128,9 +99,3 @@ class CountedProgressionTask:
         return [Example(prompt=prompt(a, d, n), label=str(a + n * d),
                         demonstration=demonstration(a, d, n, self.count_every),
                         extra={"start": a, "increment": d, "count": n}) for a, d, n in chosen]
-
-    def reward(self, completions: list[str], demonstration: list[str], **kwargs: Any) -> list[float]:
-        return exact_answer_rewards(completions, demonstration)
-
-    def walk_metrics(self, completions: list[str], demonstrations: list[str]) -> dict[str, float]:
-        return line_walk_metrics(completions, demonstrations)

@@ -33,6 +33,13 @@ T = TypeVar("T")
 SPLITS = ("train", "test")
 
 
+def json_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text, as that format defines them: split at "\\n" only, a "\\r" before it dropped.
+    Not `str.splitlines()`, which also breaks at U+2028, U+2029, U+0085 and form feed: JSON allows those raw
+    inside a string, so a valid record would be cut in two."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def seeded_sample(pool: Sequence[T], count: int, rng: random.Random, split: str = "train") -> list[T]:
     """`count` items of `pool` without repeats while it lasts, then, for training, further reshuffled passes.
 
@@ -109,7 +116,7 @@ class MathJsonlTask:
         if not self.path.is_file():
             raise DataError(f"{self.path}: no such file; set --data-path (data_path in a config's task section)")
         try:
-            lines = self.path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading BOM is no error
+            lines = json_lines(self.path.read_text(encoding="utf-8-sig"))  # -sig: a leading BOM is no error
         except UnicodeDecodeError as exc:
             raise DataError(f"{self.path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8, "
                             "e.g. `iconv -f UTF-16 -t UTF-8 FILE > NEW`") from None

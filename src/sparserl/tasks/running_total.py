@@ -43,18 +43,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
-from ..errors import ConfigError
-from .base import (
-    Example,
-    TaskOption,
-    exact_answer_rewards,
-    line_walk_metrics,
-    range_check,
-    range_problems,
-    register_task,
-)
+from .base import Example
+from .line_task import LineTask, line_option, register_line_task
 
 INSTRUCTION = "Add these numbers one at a time, from left to right, writing the running total after each."
 RESTATE_MARK = "; left: "
@@ -84,59 +75,36 @@ def prompt(numbers: list[int], restate_every: int = 0) -> str:
     return f"Keep a running total of these numbers; after {every}, list the numbers left.\n{listed}\n"
 
 
-def option_problems(options) -> dict[str, str]:
-    """What is wrong with each option of `options` (the config's task section or the task), by key."""
-    operands = options.operands
-    return range_problems("running_total", {
-        "operands": (2, MAX_OPERANDS, str(MAX_OPERANDS), operands),
-        "min_operands": (2, operands, f"operands ({operands})", options.min_operands),
-        "max_operand": (1, MAX_OPERAND, str(MAX_OPERAND), options.max_operand),
-        # the last line with a number still to add is line operands - 2: a larger k would never restate
-        "restate_every": (0, max(operands - 2, 0), f"operands - 2 ({max(operands - 2, 0)}); 0 = never",
-                          options.restate_every)})
-
-
-@register_task(
-    "running_total",
-    TaskOption("operands", int, 20, f"running_total: the most numbers a prompt lists (2..{MAX_OPERANDS})",
-               check=range_check(option_problems, "operands")),
-    TaskOption("min_operands", int, 16, "running_total: the fewest numbers a prompt lists (2..operands)",
-               check=range_check(option_problems, "min_operands")),
-    TaskOption("max_operand", int, 9, f"running_total: the largest number (each is drawn from 1..{MAX_OPERAND})",
-               check=range_check(option_problems, "max_operand")),
-    TaskOption("restate_every", int, 0, "running_total: every k-th line of the answer also lists the numbers still "
-               "to add (0..operands - 2; 0 = never)", check=range_check(option_problems, "restate_every")))
+@register_line_task("running_total")
 @dataclass(frozen=True)
-class RunningTotalTask:
-    operands: int = 20
-    min_operands: int = 16
-    max_operand: int = 9
-    restate_every: int = 0
+class RunningTotalTask(LineTask):
+    operands: int = line_option(20, f"the most numbers a prompt lists (2..{MAX_OPERANDS})")
+    min_operands: int = line_option(16, "the fewest numbers a prompt lists (2..operands)")
+    max_operand: int = line_option(9, f"the largest number (each is drawn from 1..{MAX_OPERAND})")
+    restate_every: int = line_option(0, "every k-th line of the answer also lists the numbers still to add "
+                                        "(0..operands - 2; 0 = never)")
     name: str = "running_total"
 
     @classmethod
-    def from_config(cls, config) -> RunningTotalTask:
-        return cls(operands=config.operands, min_operands=config.min_operands, max_operand=config.max_operand,
-                   restate_every=config.restate_every)
+    def option_bounds(cls, options) -> dict[str, tuple[int, int, str]]:
+        operands = options.operands
+        return {"operands": (2, MAX_OPERANDS, str(MAX_OPERANDS)),
+                "min_operands": (2, operands, f"operands ({operands})"),
+                "max_operand": (1, MAX_OPERAND, str(MAX_OPERAND)),
+                # the last line with a number still to add is line operands - 2: a larger k would never restate
+                "restate_every": (0, max(operands - 2, 0), f"operands - 2 ({max(operands - 2, 0)}); 0 = never")}
 
-    def __post_init__(self) -> None:
-        problems = option_problems(self)
-        if problems:
-            raise ConfigError(next(iter(problems.values())))
-
-    @property
-    def default_max_new_tokens(self) -> int:
-        """Room for the longest answer in characters (no tokenizer needs more tokens than that), and a margin."""
+    def longest_answer_chars(self) -> int:
         digits = len(str(self.operands * self.max_operand))
         per_line = 2 * digits + len(str(self.max_operand)) + 7  # "total + n = total\n"
-        room = self.operands * per_line + len("The total is .") + digits + 8
+        chars = self.operands * per_line + len("The total is .") + digits
         if self.restate_every:
             # restated lines k, 2k, ... list operands - 1 - line numbers each, at most
             listed = sum(self.operands - 1 - line for line in range(self.restate_every, self.operands - 1,
                                                                       self.restate_every))
             restated = len(range(self.restate_every, self.operands - 1, self.restate_every))
-            room += restated * len(RESTATE_MARK) + listed * (len(str(self.max_operand)) + 2)
-        return room
+            chars += restated * len(RESTATE_MARK) + listed * (len(str(self.max_operand)) + 2)
+        return chars
 
     def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
         # The seed string leaves restate_every out: the same seed lists the same numbers at every k, so that
@@ -149,9 +117,3 @@ class RunningTotalTask:
                                label=str(sum(numbers)), demonstration=demonstration(numbers, self.restate_every),
                                extra={"numbers": numbers}))
         return out
-
-    def reward(self, completions: list[str], demonstration: list[str], **kwargs: Any) -> list[float]:
-        return exact_answer_rewards(completions, demonstration)
-
-    def walk_metrics(self, completions: list[str], demonstrations: list[str]) -> dict[str, float]:
-        return line_walk_metrics(completions, demonstrations)
