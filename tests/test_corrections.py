@@ -366,12 +366,10 @@ def test_the_shortest_quarter_of_responses_has_its_bucket():
 
 
 def test_every_response_length_falls_in_exactly_one_bucket():
-    from types import SimpleNamespace
-
-    from sparserl.train.trainer import GRPOTrainer
+    from sparserl.train.step_batch import length_edges
 
     for bound in (1, 2, 3, 7, 84):
-        boundaries = GRPOTrainer._length_edges(SimpleNamespace(max_new_tokens=bound))
+        boundaries = length_edges(bound)
         for length in range(1, bound + 1):
             # One vetoed row of this length: exactly one bucket, the one whose [lo, hi) holds it.
             out = rejection_by_length(torch.tensor([length]), torch.tensor([False]), boundaries)
@@ -379,7 +377,7 @@ def test_every_response_length_falls_in_exactly_one_bucket():
             lo, hi = next(iter(out)).split("_")[-2:]
             assert int(lo) <= length < (math.inf if hi == "inf" else int(hi)), (bound, length, out)
     assert len(rejection_by_length(torch.arange(1, 85), torch.ones(84, dtype=torch.bool),
-                                   GRPOTrainer._length_edges(SimpleNamespace(max_new_tokens=84)))) == 4
+                                   length_edges(84))) == 4
 
 
 def test_random_fuzz_against_reference():

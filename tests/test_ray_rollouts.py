@@ -131,7 +131,7 @@ def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model
     finally:
         trainer.rollouts.close()
     assert held == [(True, 0), (True, 0)]
-    assert trainer.distill.optimizer is not None  # the driver trains the adapter
+    assert trainer.parts.distill.optimizer is not None  # the driver trains the adapter
 
 
 def _trainer_with_fault(settings: dict, fault) -> tuple[GRPOTrainer, threading.Thread]:

@@ -132,8 +132,10 @@ def test_reference_model_only_when_kl_is_on(tiny_model_dir, tmp_path):
     from sparserl.train.trainer import GRPOTrainer
 
     common = dict(model=str(tiny_model_dir), log_with="none", eval_every=0, difficulty=4)
-    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.0, "out": str(tmp_path / "a")})).reference is None
-    assert GRPOTrainer(load_config(None, {**common, "kl_coef": 0.01, "out": str(tmp_path / "b")})).reference is not None
+    without, with_kl = (GRPOTrainer(load_config(None, {**common, "kl_coef": kl, "out": str(tmp_path / out)}))
+                        for kl, out in ((0.0, "a"), (0.01, "b")))
+    assert without.parts.reference is None
+    assert with_kl.parts.reference is not None
 
 
 def test_fused_single_update_equals_a_separate_dense_recompute(tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,30 +74,53 @@ def verl_rollout_correction(correction: CorrectionConfig | str) -> VerlSettings:
     and also one holding a token with ξ > 1/τ, which ours keeps.
     """
     config = correction_for(correction)
-    settings: dict = {"bypass_mode": False, "rollout_is": None, "rollout_rs": None}
-    rejections: list[tuple[str, str | float]] = []
-    notes: list[str] = []
-    level = "exact"
-
-    def worse(to: str, note: str) -> None:
-        nonlocal level
-        level = "partial" if "partial" in (level, to) else to
-        notes.append(note)
-
+    mapped = _Mapped({"bypass_mode": False, "rollout_is": None, "rollout_rs": None})
     if config.is_mode != "none":
-        if config.is_level == "geometric" or config.is_mode == "clip":
-            worse("partial", f"verl has no {'geometric-mean' if config.is_level == 'geometric' else 'two-sided clip'} "
-                             "importance weight: weights are not carried over")
-        else:
-            settings["rollout_is"] = config.is_level
-            # IcePop's "lo_hi" zeroes weights outside [lo, hi]; ours are at least e^-20, so 1e-9 is no bound.
-            settings["rollout_is_threshold"] = config.is_cap if config.is_mode == "truncate" else f"1e-09_{config.is_cap!r}"
-            settings["rollout_is_batch_normalize"] = config.batch_normalize
-            if config.batch_normalize and config.is_level == "sequence":
-                worse("approximate", "verl normalises sequence weights by their mean over sequences, ours by their "
-                                     "mean over tokens")
-            elif config.batch_normalize:
-                notes.append("verl's batch mean adds 1e-8 to its token count (weights within 1e-8 relative)")
+        _map_weights(config, mapped)
+    rejections = _map_rejections(config, mapped)
+    if rejections:
+        mapped.settings["rollout_rs"] = ",".join(name for name, _ in rejections)
+        thresholds = [threshold for _, threshold in rejections]
+        mapped.settings["rollout_rs_threshold"] = thresholds[0] if len(thresholds) == 1 else \
+            ",".join(str(t) if isinstance(t, str) else repr(t) for t in thresholds)
+    return VerlSettings(mapped.settings, mapped.match, tuple(mapped.notes))
+
+
+@dataclass
+class _Mapped:
+    """verl's settings as they are worked out, how closely they match so far, and what differs."""
+
+    settings: dict
+    match: str = "exact"
+    notes: list[str] = field(default_factory=list)
+
+    def worse(self, to: str, note: str) -> None:
+        """The match falls to `to` (partial stays partial), for the reason `note`."""
+        self.match = "partial" if "partial" in (self.match, to) else to
+        self.notes.append(note)
+
+
+def _map_weights(config: CorrectionConfig, mapped: _Mapped) -> None:
+    """The importance weights as verl's `rollout_is`, where verl has them."""
+    if config.is_level == "geometric" or config.is_mode == "clip":
+        missing = "geometric-mean" if config.is_level == "geometric" else "two-sided clip"
+        mapped.worse("partial", f"verl has no {missing} importance weight: weights are not carried over")
+        return
+    mapped.settings["rollout_is"] = config.is_level
+    # IcePop's "lo_hi" zeroes weights outside [lo, hi]; ours are at least e^-20, so 1e-9 is no bound.
+    mapped.settings["rollout_is_threshold"] = (config.is_cap if config.is_mode == "truncate"
+                                               else f"1e-09_{config.is_cap!r}")
+    mapped.settings["rollout_is_batch_normalize"] = config.batch_normalize
+    if config.batch_normalize and config.is_level == "sequence":
+        mapped.worse("approximate", "verl normalises sequence weights by their mean over sequences, ours by their "
+                                    "mean over tokens")
+    elif config.batch_normalize:
+        mapped.notes.append("verl's batch mean adds 1e-8 to its token count (weights within 1e-8 relative)")
+
+
+def _map_rejections(config: CorrectionConfig, mapped: _Mapped) -> list[tuple[str, str | float]]:
+    """The filters as verl's `rollout_rs` criteria with their thresholds, in verl's order."""
+    rejections: list[tuple[str, str | float]] = []
     if config.band is not None:
         low, high = config.band
         rejections.append(("token_k1", f"{1 / high!r}_{1 / low!r}"))
@@ -108,16 +131,11 @@ def verl_rollout_correction(correction: CorrectionConfig | str) -> VerlSettings:
         rejections.append(("seq_mean_k3", config.seq_k3_max))
     guards = [config.seq_log_ratio_max ** 2 / 2] if config.seq_log_ratio_max is not None else []
     if config.veto_threshold is not None and config.veto_scope == "prefix":
-        worse("partial", "verl has no prefix veto: the tokens after a vetoing one stay in its loss")
+        mapped.worse("partial", "verl has no prefix veto: the tokens after a vetoing one stay in its loss")
     elif config.veto_threshold is not None:
         guards.append(math.log(1 / config.veto_threshold) ** 2 / 2)
-        worse("approximate", f"the veto becomes seq_max_k2, which also rejects a sequence holding a token with "
-                             f"ξ > {1 / config.veto_threshold:g} (ours keeps it)")
+        mapped.worse("approximate", f"the veto becomes seq_max_k2, which also rejects a sequence holding a token with "
+                                    f"ξ > {1 / config.veto_threshold:g} (ours keeps it)")
     if guards:
         rejections.append(("seq_max_k2", min(guards)))
-    if rejections:
-        settings["rollout_rs"] = ",".join(name for name, _ in rejections)
-        thresholds = [threshold for _, threshold in rejections]
-        settings["rollout_rs_threshold"] = thresholds[0] if len(thresholds) == 1 else \
-            ",".join(str(t) if isinstance(t, str) else repr(t) for t in thresholds)
-    return VerlSettings(settings, level, tuple(notes))
+    return rejections

@@ -89,6 +89,28 @@ def load_preset(mode: str) -> Preset:
     if mode in PRESETS:
         return PRESETS[mode]
     path = Path(mode)
+    data = _preset_file(mode, path)
+    base = data.get("base")
+    if base is not None and base not in PRESETS:
+        raise PresetError(f"preset file {path}: base {base!r} is not a built-in preset ({', '.join(PRESETS)})")
+    parent = PRESETS[base] if base else None
+    if parent is None and "sparse_rollouts" not in data:
+        raise PresetError(f"preset file {path}: set sparse_rollouts (true/false) or a base preset")
+    overrides = _correction_fields(data, path)
+    sparse = data.get("sparse_rollouts", parent.sparse_rollouts if parent else None)
+    if not isinstance(sparse, bool):
+        raise PresetError(f"preset file {path}: sparse_rollouts must be true or false, got {sparse!r}")
+    try:
+        correction = with_fields(parent.correction if parent else CorrectionConfig.off(), overrides)
+    except ConfigError as error:
+        raise PresetError(f"preset file {path}: correction: {error}") from None
+    return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse, correction=correction,
+                  summary=str(data.get("summary", f"user preset from {path}")),
+                  needs_schedule=parent.needs_schedule if parent else False)
+
+
+def _preset_file(mode: str, path: Path) -> dict:
+    """The mapping a preset file holds, its keys checked."""
     if path.suffix not in (".yaml", ".yml"):
         raise PresetError(f"mode {mode!r} is unknown; choose one of {', '.join(PRESETS)} or give a preset YAML file")
     if not path.is_file():
@@ -103,28 +125,18 @@ def load_preset(mode: str) -> Preset:
     if unknown:
         raise PresetError(f"preset file {path}: unknown keys {', '.join(sorted(unknown))}; "
                           "allowed: name, base, sparse_rollouts, correction, summary")
-    base = data.get("base")
-    if base is not None and base not in PRESETS:
-        raise PresetError(f"preset file {path}: base {base!r} is not a built-in preset ({', '.join(PRESETS)})")
-    parent = PRESETS[base] if base else None
-    if parent is None and "sparse_rollouts" not in data:
-        raise PresetError(f"preset file {path}: set sparse_rollouts (true/false) or a base preset")
+    return data
+
+
+def _correction_fields(data: dict, path: Path) -> dict:
+    """A preset file's `correction:` mapping, every key a `CorrectionConfig` field."""
     fields = {f.name for f in dataclasses.fields(CorrectionConfig)}
     overrides = data.get("correction") or {}
     if not isinstance(overrides, dict) or set(overrides) - fields:
         bad = sorted(set(overrides) - fields) if isinstance(overrides, dict) else overrides
         raise PresetError(f"preset file {path}: correction must map correction fields to values; unknown: {bad}; "
                           f"fields: {', '.join(sorted(fields))}")
-    sparse = data.get("sparse_rollouts", parent.sparse_rollouts if parent else None)
-    if not isinstance(sparse, bool):
-        raise PresetError(f"preset file {path}: sparse_rollouts must be true or false, got {sparse!r}")
-    try:
-        correction = with_fields(parent.correction if parent else CorrectionConfig.off(), overrides)
-    except ConfigError as error:
-        raise PresetError(f"preset file {path}: correction: {error}") from None
-    return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse, correction=correction,
-                  summary=str(data.get("summary", f"user preset from {path}")),
-                  needs_schedule=parent.needs_schedule if parent else False)
+    return overrides
 
 
 def with_fields(correction: CorrectionConfig, fields: dict[str, Any]) -> CorrectionConfig:

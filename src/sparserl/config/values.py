@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, Union
 
 from ..errors import ConfigError
@@ -15,16 +16,7 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return coerce(value, option, key)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(errors[0] if errors else f"{key}: {value!r} is not allowed")
+        return _union(value, args, key)
     if origin is Literal:
         if value in args:
             return value
@@ -34,31 +26,60 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(items, (list, tuple)) or len(items) != len(args):
             raise ConfigError(f"{key}: expected {len(args)} comma-separated values, got {value!r}")
         return tuple(coerce(v, a, key) for v, a in zip(items, args))
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    scalar = _SCALARS.get(annotation) if isinstance(annotation, type) else None
+    if scalar is None:
+        raise ConfigError(f"{key}: unsupported type {annotation}")
+    return scalar(value, key)
+
+
+def _union(value: Any, options: tuple, key: str) -> Any:
+    """None for none/null where the union allows it, else the first option that takes `value`."""
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if type(None) in options:
+            return None
+    errors = []
+    for option in (a for a in options if a is not type(None)):
         try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(as_float)
-    if annotation is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if annotation is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {annotation}")
+            return coerce(value, option, key)
+        except ConfigError as error:
+            errors.append(str(error))
+    raise ConfigError(errors[0] if errors else f"{key}: {value!r} is not allowed")
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.lower() in ("true", "1", "yes", "on")
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _int(value: Any, key: str) -> int:
+    """An integer, also from a whole float ("3", 3.0, "1e3"), never from a bool."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if not as_float.is_integer():
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    return int(as_float)
+
+
+def _float(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+
+
+def _str(value: Any, key: str) -> str:
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return str(value)
+
+
+_SCALARS: dict[type, Callable[[Any, str], Any]] = {bool: _bool, int: _int, float: _float, str: _str}

@@ -107,24 +107,31 @@ def _summary(firsts: list[dict], correct_values: list[int | None], layers: int, 
     by_role = defaultdict(list)
     for f in firsts:
         by_role[f["role"]].append(f)
-    roles = {}
-    for role, items in sorted(by_role.items(), key=lambda kv: -len(kv[1])):
-        known = [f["evicted_layers"] for f in items if f["evicted_layers"] is not None]
-        xis = [f["xi"] for f in items if f["xi"] is not None]
-        roles[role] = {
-            "count": len(items),
-            "needed_evicted_all_layers": sum(k == layers for k in known) / len(known) if known else None,
-            "needed_evicted_any_layer": sum(k > 0 for k in known) / len(known) if known else None,
-            "xi_median": statistics.median(xis) if xis else None,
-            "xi_below_1e-4": sum(x < 1e-4 for x in xis) / len(xis) if xis else None,
-            "dense_argmax_right": sum(f["dense_argmax_right"] for f in items) / len(items),
-            "mean_hop": sum(f["hop"] for f in items) / len(items)}
+    roles = {role: _role_summary(items, layers) for role, items in sorted(by_role.items(), key=lambda kv: -len(kv[1]))}
     baseline = [k for k in correct_values if k is not None]
     return {"examples": n, "wrong": len(firsts), "layers": layers, "compression": compression, "by_role": roles,
             "correct_values": len(baseline),
-            "correct_values_needed_evicted_any_layer": sum(k > 0 for k in baseline) / len(baseline) if baseline else None,
-            "correct_values_needed_evicted_all_layers": sum(k == layers for k in baseline) / len(baseline) if baseline else None,
+            "correct_values_needed_evicted_any_layer": _share(baseline, lambda k: k > 0),
+            "correct_values_needed_evicted_all_layers": _share(baseline, lambda k: k == layers),
             "first_errors": firsts}
+
+
+def _role_summary(items: list[dict], layers: int) -> dict:
+    """What the first deviations of one role have in common: the needed token's eviction, ξ, the dense model."""
+    known = [f["evicted_layers"] for f in items if f["evicted_layers"] is not None]
+    xis = [f["xi"] for f in items if f["xi"] is not None]
+    return {"count": len(items),
+            "needed_evicted_all_layers": _share(known, lambda k: k == layers),
+            "needed_evicted_any_layer": _share(known, lambda k: k > 0),
+            "xi_median": statistics.median(xis) if xis else None,
+            "xi_below_1e-4": _share(xis, lambda x: x < 1e-4),
+            "dense_argmax_right": sum(f["dense_argmax_right"] for f in items) / len(items),
+            "mean_hop": sum(f["hop"] for f in items) / len(items)}
+
+
+def _share(values: list, holds) -> float | None:
+    """The fraction of `values` for which `holds` is true; None when there are none."""
+    return sum(holds(v) for v in values) / len(values) if values else None
 
 
 def audit_table(result: dict) -> str:

@@ -137,12 +137,13 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
     result = {"mode": mode, "steps": len(records),
               "train_seconds": sum(r.get("step_s", 0.0) for r in records),
               "rollout_seconds": sum(r.get("rollout_s", 0.0) for r in records)}
-    trainer.model.eval()
+    parts = trainer.parts
+    parts.model.eval()
     # The trainer's own compression: an adaptive schedule is evaluated with the budgets it trained to.
-    for inference, compression in (("dense", None), ("sparse", trainer.compression)):
-        with trainer.sampler() if compression else contextlib.nullcontext():  # DistillSparse's adapter, if any
-            result[inference] = evaluate_policy(trainer.model, trainer.tokenizer, trainer.task,
-                                                trainer.eval_examples, trainer.max_new_tokens, compression, samples=0,
+    for inference, compression in (("dense", None), ("sparse", parts.compression)):
+        with parts.sampler() if compression else contextlib.nullcontext():  # DistillSparse's adapter, if any
+            result[inference] = evaluate_policy(parts.model, parts.tokenizer, parts.task, parts.eval_examples,
+                                                parts.max_new_tokens, compression, samples=0,
                                                 temperature=config.rollout.temperature, seed=config.train.seed,
                                                 progress=True)
     tmp = run_dir / (FINAL_EVAL_FILE + ".tmp")

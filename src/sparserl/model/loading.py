@@ -211,15 +211,12 @@ def _explain_load_failure(error: Exception, directory: Path, config: dict, devic
         return ModelFilesError(f"the weights in {directory} do not fit its config.json (tensor shapes differ: see "
                                "the load report above); config.json was edited or belongs to another model: put "
                                "back the config.json saved with these weights")
-    # torch's reader of a cut .bin raises a RuntimeError or, in some versions, a bare OSError (EINVAL).
-    if isinstance(error, SafetensorError) or (isinstance(error, RuntimeError) and "PytorchStreamReader" in message) \
-            or (type(error) is OSError and _damaged_weight_files(directory)):
+    if _is_damaged_weights(error, directory):
         files = ", ".join(_damaged_weight_files(directory)) or "a weights file"
         detail = _first_line(error).split(". ")[0]  # torch's reader goes on with general advice
         return ModelFilesError(f"{files} in {directory} is damaged ({detail}), e.g. cut short by an "
                                "interrupted copy or save: copy the model again, or save it with save_pretrained")
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or \
-            (isinstance(error, RuntimeError) and "can't allocate memory" in message):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)) or _is_cpu_allocation_failure(error):
         smaller = ", load it in bfloat16 (--dtype bfloat16)" if dtype == torch.float32 else ""
         return ModelFilesError(f"out of memory loading the model in {directory} onto {device} "
                                f"({_first_line(error)}); free memory there{smaller}, or use a smaller model")
@@ -245,6 +242,20 @@ def _explain_load_failure(error: Exception, directory: Path, config: dict, devic
                                f"its config.json was written by transformers {newer}, newer than the installed "
                                f"{transformers.__version__}: install transformers {newer} or later")
     return None
+
+
+def _is_damaged_weights(error: Exception, directory: Path) -> bool:
+    """A weights file that does not read: safetensors' own error, or torch's reader of a cut .bin, which raises
+    a RuntimeError or, in some versions, a bare OSError (EINVAL)."""
+    if isinstance(error, SafetensorError):
+        return True
+    if isinstance(error, RuntimeError):
+        return "PytorchStreamReader" in str(error)
+    return type(error) is OSError and bool(_damaged_weight_files(directory))
+
+
+def _is_cpu_allocation_failure(error: Exception) -> bool:
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
 
 
 def _first_line(error: BaseException) -> str:

@@ -3,10 +3,10 @@
 
 A hook sees the run through a narrow, read-only `HookView` (the config, the policy, its tokenizer and task, the
 device and the sparse sampler's context), never the trainer itself, and answers with a `HookUpdate`: metrics
-for the step's record, and optionally the KV budget schedule in force from then on, which the trainer applies
-(and checkpoints). `before_sampling` runs before the rollouts (a controller may change the budgets they use),
-`after_recompute` once π_old and α are known, `after_update` after the policy's optimizer step (not on a
-skipped step).
+for the step's record, and optionally the KV budget schedule in force from then on, which the step pipeline
+applies (and the trainer checkpoints). `before_sampling` runs before the rollouts (a controller may change the
+budgets they use), `after_recompute` once π_old and α are known, `after_update` after the policy's optimizer
+step (not on a skipped step).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..tasks.math_jsonl import json_lines
 from .layout import METRICS_FILE, SAMPLES_FILE, TENSORBOARD_DIR
 
 
@@ -73,7 +74,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     trainer's resume, `compare` and the report all go through it."""
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    lines = json_lines(path.read_text())
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -29,7 +29,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import yaml
 
@@ -126,28 +126,8 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
     if overwrite and resume != "never":
         raise ConfigError("--overwrite deletes the run that --resume would continue: pass one of them")
     path, created = make_output_dir(config.output.out)
-    foreign = sorted(entry.name + "/" * entry.is_dir() for entry in path.iterdir() if not _is_run_entry(entry.name))
-    if foreign and not holds_a_run(path):
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ConfigError(f"--out {path} holds files that are not a training run's ({shown}); a run needs a "
-                          "directory of its own: choose a new or empty --out")
-    try:
-        handle = open(path / LOCK_FILE, "a+")
-    except OSError as error:
-        raise ConfigError(f"--out {path}: cannot write there ({error.strerror}); choose a writable location") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise ConfigError(f"--out {path} is in use by another sparserl process (pid {holder}); wait for it to "
-                          "finish or choose another --out") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    _held_locks.add(handle)
+    _refuse_foreign_files(path)
+    handle = _lock(path)
     run = RunDir(path, None, handle, created)
     try:
         if overwrite and holds_a_run(path):
@@ -169,6 +149,38 @@ def open_run_dir(config: ExperimentConfig, resume: Resume = "never", overwrite: 
         run.release(failed=True)
         raise
     return run
+
+
+def _refuse_foreign_files(path: Path) -> None:
+    """A directory that holds no run may hold nothing but what a run writes: a run never deletes a user's files."""
+    foreign = sorted(entry.name + "/" * entry.is_dir() for entry in path.iterdir() if not _is_run_entry(entry.name))
+    if foreign and not holds_a_run(path):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"--out {path} holds files that are not a training run's ({shown}); a run needs a "
+                          "directory of its own: choose a new or empty --out")
+
+
+def _lock(path: Path) -> TextIO:
+    """The run directory's lock file, locked by this process (its pid written in it), or a ConfigError naming the
+    process that holds it."""
+    try:
+        handle = open(path / LOCK_FILE, "a+")
+    except OSError as error:
+        raise ConfigError(f"--out {path}: cannot write there ({error.strerror}); choose a writable location") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ConfigError(f"--out {path} is in use by another sparserl process (pid {holder}); wait for it to "
+                          "finish or choose another --out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _held_locks.add(handle)
+    return handle
 
 
 def _is_run_entry(name: str) -> bool:

@@ -1,19 +1,26 @@
 """What one training step carries from stage to stage, and the step's diagnostics of it.
 
-The stages of `GRPOTrainer.train_step` fill a `StepBatch` in order:
+The stages of the step pipeline (`pipeline.py`) fill a `StepBatch` in order:
 sample → score → recompute → correct → update → diagnose.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from ..learner.corrections import Corrections
+from ..learner.corrections import Corrections, rejection_by_length
 from ..rollout.batch import RolloutBatch
 from ..rollout.dispatch.shards import StepRollouts
-from ..tasks.base import Example
+from ..tasks.base import Example, Task, walk_metrics
+
+LENGTH_BUCKETS = 4
+# What Sparse-RL's filters would flag, logged under these names in every mode (whatever the mode
+# applies) so that the mismatch is comparable across modes; the unprefixed metrics are what was applied.
+FLAGGED_METRICS = {"rejected_seq_frac": "flagged_veto_frac", "band_mask_frac": "flagged_band_frac",
+                   "rejected_sequences": "flagged_vetoed_sequences"}
 
 
 @dataclass
@@ -76,3 +83,34 @@ def kept_advantages(advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, f
     return {"kept_advantage_sum": float(kept.sum()),
             "kept_advantage_mean": float(kept.mean()) if len(kept) else 0.0,
             "kept_advantage_token_mean": float((advantages[:, None] * keep).sum() / keep.sum().clamp(min=1))}
+
+
+def length_edges(max_new_tokens: int) -> list[int]:
+    """The inner edges of LENGTH_BUCKETS equal response-length buckets up to `max_new_tokens`."""
+    return [math.ceil(max_new_tokens * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]
+
+
+def diagnose(data: StepBatch, task: Task, group_size: int, max_new_tokens: int) -> dict[str, float]:
+    """Mismatch, rejection and acceptance metrics of the step, and the task's own."""
+    batch, rewards, corrections, flagged = data.batch, data.rewards, data.corrections, data.flagged
+    by_length = rejection_by_length(batch.response_lengths, flagged.seq_keep, length_edges(max_new_tokens))
+    return {
+        **corrections.metrics,
+        **{flagged_name: flagged.metrics[name] for name, flagged_name in FLAGGED_METRICS.items()},
+        **{"flagged_" + key: value for key, value in by_length.items()},
+        **kept_vs_rejected(rewards, batch.response_lengths, flagged.seq_keep, "flagged_", "vetoed"),
+        **kept_vs_rejected(rewards, batch.response_lengths, corrections.seq_keep, "", "rejected"),
+        **kept_advantages(data.advantages, corrections.keep_mask),
+        **walk_metrics(task, data.texts, data.examples, group_size),
+        **data.acceptance,
+    }
+
+
+def rollout_samples(data: StepBatch, group_size: int) -> list[dict]:
+    """Each rollout's text, reward, verdict and whether the correction kept it (`samples.jsonl`)."""
+    kept = data.corrections.seq_keep.tolist()
+    return [{"step": data.step, "kind": "train", "prompt_index": row // group_size,
+             "prompt": data.examples[row // group_size].prompt, "completion": text,
+             "reward": reward, "correct": correct, "kept": keep}
+            for row, (text, reward, correct, keep) in enumerate(zip(data.texts, data.rewards.tolist(),
+                                                                     data.correct.tolist(), kept))]
