@@ -154,9 +154,15 @@ def pairs(by_setting: Results, counterparts: dict[str, dict[str, str]]) -> list[
     return found
 
 
-def paired_sections(by_setting: Results, counterparts: dict[str, dict[str, str]]) -> list[str]:
-    """The paired comparisons under dense and under SnapKV inference, and issue 54's rule wherever a Sparse-RL
-    setting has a naive-sparse one."""
+def runs_fallen(root: Path, found: dict[str, tuple[float, float, int]], seeds: list[str]) -> int:
+    """Issue 54's secondary measure: of `seeds`, the runs whose held-out dense accuracy ended more than 7 points below
+    the warm start's on the same seed's prompts."""
+    return sum(found[seed][0] < start_of(root, seed)[0] - 0.07 for seed in seeds)
+
+
+def paired_sections(root: Path, by_setting: Results, counterparts: dict[str, dict[str, str]]) -> list[str]:
+    """The paired comparisons under dense and under SnapKV inference, and issue 54's rule (with its secondary
+    measure) wherever a Sparse-RL setting has a naive-sparse one."""
     compared = pairs(by_setting, counterparts)
     prompts = min((v[2] for seeds in by_setting.values() for v in seeds.values() if v[2]), default=None)
     lines = ["Paired comparisons over seeds. " + paired_note(prompts), ""]
@@ -168,6 +174,9 @@ def paired_sections(by_setting: Results, counterparts: dict[str, dict[str, str]]
         if a.startswith("sparse-rl") and a[len("sparse-rl"):] == b[len("naive-sparse"):]:  # the preset, no variant
             differences = [100 * (by_setting[(a, step)][s][0] - by_setting[(b, step)][s][0]) for s in seeds]
             lines.append(f"Issue 54's rule, {a} − {b} at step {step} (dense inference): {rule_sentence(differences)}")
+            fallen = [runs_fallen(root, by_setting[(name, step)], seeds) for name in (a, b)]
+            lines.append(f"Secondary: runs ending more than 7 points below their start at step {step}: {a} "
+                         f"{fallen[0]} of {len(seeds)}, {b} {fallen[1]} of {len(seeds)}.")
     return lines
 
 
@@ -220,7 +229,7 @@ def main() -> None:
     print()
     print("\n".join(summary(by_setting, counterparts)))
     print()
-    print("\n".join(paired_sections(by_setting, counterparts)))
+    print("\n".join(paired_sections(args.records, by_setting, counterparts)))
 
 
 if __name__ == "__main__":
