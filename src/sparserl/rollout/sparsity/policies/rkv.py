@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -33,19 +35,26 @@ class RKV(KVPolicy):
     of the row sim[i, j] over the other real slots j, turned into a distribution by a softmax
     over the real slots (as the reference does).
 
+    A row sum is split as sum_j sim[i, j] - sum_{j older, sim > threshold} sim[i, j]: the first term is
+    linear in the keys (one matrix-vector product against a sum of keys), so only the second needs the
+    pairwise products, and only over the older slots j < i (slots are in column order), one triangle.
     The row sums are kept between compressions of a rollout (per stack of layers scored together,
-    `ScoringInputs.layers`): each compression adds the rows and
-    columns of the slots appended since the last one and removes those of the evicted slots,
-    O(B·Δ) work instead of the O(B²) of recomputing the whole similarity matrix. A row sum is split
-    as sum_j sim[i, j] - sum_{j older, sim > threshold} sim[i, j]: the first term is linear in the
-    keys (one matrix-vector product against a sum of keys), so only the second needs the pairwise
-    products, and those are thresholded and masked in place in one reused buffer, in blocks of
-    `BLOCK` slots. On a CPU, allocating a fresh [N, Hkv, Δ, B] matrix per compression costs more in page
-    faults than the product itself.
+    `ScoringInputs.layers`): a compression adds the rows and columns of the slots appended since the last
+    one (Δ rows against L), and then keeps the kept rows' sums against the kept columns only, whichever way
+    costs fewer products: recomputed from the B kept keys (B²/2, after a long prompt) or with the E evicted
+    columns removed (L·E, every Δ steps, E = Δ). The pairwise products are computed in blocks of at most
+    `CPU_BLOCK_ELEMENTS` values (`DEVICE_BLOCK_ELEMENTS` off a CPU), thresholded and masked in place in one
+    reused buffer.
     """
 
     name: ClassVar[str] = "rkv"
-    BLOCK: ClassVar[int] = 128
+    # One block of similarities: on a CPU 4 MiB, so that the threshold and the sum that follow the product read
+    # it from cache (at L = 2048 a compression with 16 MiB blocks took 1.15x as long); on a GPU large enough
+    # to fill the device. A block has BLOCK_ROWS rows (or all it can), since a product of fewer rows runs several
+    # times slower per value on a CPU.
+    CPU_BLOCK_ELEMENTS: ClassVar[int] = 1 << 20
+    DEVICE_BLOCK_ELEMENTS: ClassVar[int] = 1 << 26
+    BLOCK_ROWS: ClassVar[int] = 64
     lam: float = option(0.1, "rkv: weight of importance against redundancy, in [0, 1]", name="kv_lambda")
     similarity_threshold: float = option(0.5, "rkv: key cosine similarity above which the older twin is redundant")
     kernel_size: int = option(7, KERNEL_HELP)
@@ -85,38 +94,50 @@ class RKV(KVPolicy):
         sums = self._update_row_sums(inputs.layers, self._unit)
         return importance.mul_(self.lam).sub_(self._distribution(sums, real, all_real).mul_(1.0 - self.lam))
 
-    def redundancy(self, keys: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-        """The redundancy distribution `[N, Hkv, L]` computed from scratch."""
-        unit = _unit_keys(keys, real)
-        return self._distribution(self._new_row_sums(unit, 0), real)
-
     def before_keep(self, inputs: ScoringInputs, slots: torch.Tensor) -> None:
-        """Remove the evicted slots' similarity from the kept rows, then keep those rows."""
+        """Keep the row sums of the kept slots `slots [N, Hs, B]` against the kept slots: the E evicted slots removed
+        from every row's sum where that takes fewer products (L·E) than recomputing the kept rows' sums (B²/2)."""
         sums, unit = self._row_sums[inputs.layers], self._unit
+        self._unit = None
         n, heads, length = sums.shape
         slots = slots.expand(n, heads, -1)
-        evicted_mask = torch.ones(n, heads, length, dtype=torch.bool, device=sums.device).scatter_(2, slots, False)
-        evicted = _true_positions(evicted_mask, length - slots.shape[-1])  # [N, Hkv, E], in slot order
-        gone = _gather_rows(unit, evicted)  # [N, Hkv, E, D], in slot order
+        budget = slots.shape[-1]
+        if length * (length - budget) < budget * (budget + 1) // 2:
+            self._row_sums[inputs.layers] = (sums - self._evicted_sums(unit, slots)).gather(2, slots)
+        else:
+            self._row_sums[inputs.layers] = self._new_row_sums(_gather_rows(unit, slots), 0)
+
+    def _evicted_sums(self, unit: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`[N, Hkv, L]`: what the slots evicted (all but `slots [N, Hkv, B]`) add to each slot's row sum, from the
+        unit keys `unit [N, Hkv, L, D]`. Every row, kept or not: gathering the kept ones' keys first costs more than
+        the E products per row it saves."""
+        n, heads, length, dim = unit.shape
+        evicted, pairs = length - slots.shape[-1], n * heads
+        evicted_mask = torch.ones(n, heads, length, dtype=torch.bool, device=unit.device).scatter_(2, slots, False)
+        gone = _gather_rows(unit, _true_positions(evicted_mask, evicted))  # [N, Hkv, E, D], in slot order
         removed = (unit @ gone.sum(dim=2)[..., None]).squeeze(-1)  # every evicted slot, thresholds aside
         # Row i spares the evicted slots older than it: the first `older[i]` of them (both in slot order).
-        older = evicted_mask.long().cumsum(dim=-1) - evicted_mask.long()
+        older = (evicted_mask.long().cumsum(dim=-1) - evicted_mask.long()).view(pairs, length)
+        rows, gone_columns = unit.reshape(pairs, length, dim), gone.reshape(pairs, evicted, dim).mT
+        spared = removed.view(pairs, length)
         zero = torch.zeros((), dtype=unit.dtype, device=unit.device)
-        for start in range(0, gone.shape[2], self.BLOCK):
-            block = gone[:, :, start:start + self.BLOCK]
-            width = block.shape[2]
-            sim = self._spared(unit, block)  # [N, Hkv, L, b]
-            # (older is in [0, E] already: with one block, the clamp changes nothing)
-            first_not_older = older if gone.shape[2] <= self.BLOCK else (older - start).clamp_(0, width)
-            # Row i zeroes its columns from first_not_older[i] on: row k of `suffixes` is that mask for
-            # first_not_older = k, so the [N, Hkv, L, b] mask is one row lookup (a broadcast comparison
-            # that size is ~30x slower on a CPU), and where(out=sim) zeroes in place faster than masked_fill_.
-            columns = torch.arange(width, device=sim.device)
-            suffixes = columns >= torch.arange(width + 1, device=sim.device)[:, None]  # [b + 1, b]
-            beyond = suffixes.index_select(0, first_not_older.reshape(-1)).view(sim.shape)
-            torch.where(beyond, zero, sim, out=sim)
-            removed -= sim.sum(dim=-1)
-        self._row_sums[inputs.layers] = (sums - removed).gather(2, slots)
+        elements = self._block_elements(unit.device)
+        for start in range(0, evicted, self.BLOCK_ROWS):
+            width = min(evicted, start + self.BLOCK_ROWS) - start
+            # Row i zeroes its columns from first_not_older[i] on: row f of `suffixes` is that mask for
+            # first_not_older = f, so the [P, L, b] mask is one row lookup (a broadcast comparison that
+            # size is ~30x slower on a CPU), and where(out=sim) zeroes in place faster than masked_fill_.
+            columns = torch.arange(width, device=unit.device)
+            suffixes = columns >= torch.arange(width + 1, device=unit.device)[:, None]  # [b + 1, b]
+            chunk = max(1, elements // (length * width))
+            for first in range(0, pairs, chunk):
+                last = min(pairs, first + chunk)
+                sim = self._spared(rows[first:last], gone_columns[first:last, :, start:start + width])
+                first_not_older = (older[first:last] - start).clamp_(0, width)
+                beyond = suffixes.index_select(0, first_not_older.reshape(-1)).view(sim.shape)
+                torch.where(beyond, zero, sim, out=sim)
+                spared[first:last] -= sim.sum(dim=-1)
+        return removed
 
     def _update_row_sums(self, layers: tuple[int, ...], unit: torch.Tensor) -> torch.Tensor:
         # A layer's sums live in the one stack that last scored it: when the stacks change (they are cut by size,
@@ -135,27 +156,46 @@ class RKV(KVPolicy):
         return sums
 
     def _new_row_sums(self, unit: torch.Tensor, first_row: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Row sums of the slots first_row.. against all, without the diagonal and without older
-        near-duplicates. Slots are in column order (ScoringInputs), so "j is older than i" is j < i.
-        Written into `out` when given."""
+        """Row sums `[N, Hkv, L - first_row]` of the slots first_row.. of `unit [N, Hkv, L, D]` against all,
+        without the diagonal and without older near-duplicates; written into `out` when given."""
+        n, heads, length, dim = unit.shape
         rows = unit[:, :, first_row:]
-        diagonal = rows.square().sum(dim=-1)
+        # The diagonal |u_i|² as a squared norm: no [N, Hkv, L, D] temporary (of 117 MB at L = 512 in Qwen2.5-1.5B)
+        diagonal = torch.linalg.vector_norm(rows, dim=-1).square_()
         sums = torch.sub((rows @ unit.sum(dim=2)[..., None]).squeeze(-1), diagonal, out=out)
-        for start in range(0, rows.shape[2], self.BLOCK):
-            stop = min(start + self.BLOCK, rows.shape[2])
-            sim = self._spared(rows[:, :, start:stop], unit)  # [N, Hkv, b, L]
-            # Only older slots spare: row r of the block is slot first_row + start + r.
-            _zero_upper(sim[..., first_row + start:])
-            sums[..., start:stop] -= sim.sum(dim=-1)
+        pairs = unit.reshape(n * heads, length, dim)
+        # [N·Hkv, D, L]: a copy with the columns in rows makes each block's product faster, which pays for the copy
+        # over several blocks of rows (a first compression), not over the Δ rows of the next ones.
+        transposed = pairs.mT.contiguous() if length - first_row > self.BLOCK_ROWS else pairs.mT
+        spared = sums.view(n * heads, length - first_row)
+        for start, stop, first, last in self._triangle_tiles(n * heads, first_row, length, unit.device):
+            # Row r of the tile, slot start + r, spares only older slots: columns ..start + r - 1.
+            sim = self._spared(pairs[first:last, start:stop], transposed[first:last, :, :stop])  # [P, b, stop]
+            _zero_upper(sim[..., start:])
+            spared[first:last, start - first_row:stop - first_row] -= sim.sum(dim=-1)
         return sums
 
+    def _triangle_tiles(self, pairs: int, first_row: int, length: int,
+                        device: torch.device) -> Iterator[tuple[int, int, int, int]]:
+        """Tiles (start, stop, first, last): the slots start..stop - 1 of the (row, head) pairs first..last - 1,
+        whose products against the slots ..stop - 1 fit one block (`BLOCK_ROWS` rows, one pair at least)."""
+        elements = self._block_elements(device)
+        for start in range(first_row, length, self.BLOCK_ROWS):
+            stop = min(length, start + self.BLOCK_ROWS)
+            chunk = max(1, elements // ((stop - start) * stop))
+            for first in range(0, pairs, chunk):
+                yield start, stop, first, min(pairs, first + chunk)
+
+    def _block_elements(self, device: torch.device) -> int:
+        return self.CPU_BLOCK_ELEMENTS if device.type == "cpu" else self.DEVICE_BLOCK_ELEMENTS
+
     def _spared(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        """`rows @ columns^T` ([N, Hkv, a, b]) where above the threshold, else 0, in the reused buffer."""
-        shape = (*rows.shape[:3], columns.shape[2])
-        size = shape[0] * shape[1] * shape[2] * shape[3]
+        """`rows [..., a, D] @ columns [..., D, b]` where above the threshold, else 0, in the reused buffer."""
+        shape = (*rows.shape[:-1], columns.shape[-1])
+        size = math.prod(shape)
         if self._buffer.numel() < size or self._buffer.device != rows.device:
             self._buffer = torch.empty(size, dtype=torch.float32, device=rows.device)
-        sim = torch.matmul(rows, columns.transpose(-1, -2), out=self._buffer[:size].view(shape))
+        sim = torch.matmul(rows, columns, out=self._buffer[:size].view(shape))
         return F.threshold_(sim, self.similarity_threshold, 0.0)
 
     @staticmethod
