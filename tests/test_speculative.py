@@ -231,6 +231,50 @@ def test_rows_batch_together_whatever_they_accept(model, monkeypatch):
     assert batch.ended.any() and not batch.ended.all()
 
 
+@pytest.mark.parametrize("replaced", ["seeds", "rows"])
+def test_a_draft_step_over_new_seeds_or_rows_is_captured_anew(model, monkeypatch, replaced):
+    """The draft step reads the rows' seeds and the request each cache row holds, which are not its own buffers: both
+    are in its graph's key (`steps.RolloutRunner`). Here they become new tensors after the first round (the seeds
+    also new values), the buffers unchanged: the draft step is captured anew, and the rollout replayed from traced
+    graphs (`capture_standin.py`) is the eager one with the same change, bit for bit. Keyed without them, the two
+    rounds' draft steps would share one graph, replayed over the old tensors (the stand-in refuses that capture)."""
+    from capture_standin import model_tensors, traced_graphs
+
+    from sparserl.rollout.engine.step import StepRunner
+
+    begin_round, rounds = speculative_steps.Rollout.begin_round, []
+
+    def replacing_after_the_first_round(rollout, most):
+        rounds.append(rollout)
+        if len(rounds) == 2:
+            state = rollout.state
+            if replaced == "seeds":
+                state.seeds = state.seeds.flip(0) + 1
+            else:
+                state.rows = state.rows.clone()
+        return begin_round(rollout, most)
+
+    monkeypatch.setattr(speculative_steps.Rollout, "begin_round", replacing_after_the_first_round)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, eos_token_id=None)
+
+    def rollout(runner=None):
+        rounds.clear()
+        sampler = SpeculativeSampler(model, None, draft_tokens=2)  # a dense draft: one graph while the rows stay
+        if runner is not None:
+            sampler.runners[sampling.compile_decode] = runner
+        return sampler.generate(_prompts(4), sampling, seeds=[5, 6, 7, 8])
+
+    eager = rollout()
+    with traced_graphs(monkeypatch, model_tensors(model)) as (graphs, met):
+        replayed = rollout(StepRunner("graphs"))
+    draft_keys = [(key, held) for run, key, held in met if run is speculative_steps.draft_step]
+    first_round = draft_keys[:2]  # γ = 2 draft steps a round
+    assert len(set(first_round)) == 1 and first_round[0] not in draft_keys[2:]
+    assert len(graphs) == len(set(met))
+    assert torch.equal(eager.response_ids, replayed.response_ids)
+    torch.testing.assert_close(eager.sampler_logprobs, replayed.sampler_logprobs, atol=0, rtol=0)
+
+
 def test_adaptive_draft_length_follows_the_acceptance_rate():
     choose = AdaptiveDraftLength(first=4, most=8)
     assert choose.choose() == 4  # nothing measured yet

@@ -4,15 +4,13 @@ decode loop's only reads between compressions are its end-of-row checks, every `
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 
 import pytest
 import torch
+from capture_standin import model_tensors, restored, traced_graphs
 from conftest import make_tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from sparserl.model.clock import HostReads
 from sparserl.rollout.batch import SamplingConfig
@@ -69,99 +67,106 @@ def test_the_compiled_step_has_no_graph_break_and_samples_as_the_eager_one(tiny,
         assert compiled.kv.compressions > 0
 
 
-def _storages(value) -> list[int]:
-    return [leaf.untyped_storage().data_ptr() for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-class _StepAccess(TorchDispatchMode):
-    """The storages a step reads that it did not make itself (`inputs`: weights, buffers, state) and, of those, the ones
-    it writes in place (`written`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.made: set[int] = set()
-        self.inputs: set[int] = set()
-        self.written: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.inputs.update(ptr for ptr in _storages((args, kwargs)) if ptr not in self.made)
-        for position, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                value = args[position] if position < len(args) else kwargs.get(argument.name)
-                self.written.update(ptr for ptr in _storages(value) if ptr in self.inputs)
-        out = func(*args, **kwargs)
-        self.made.update(ptr for ptr in _storages(out) if ptr not in self.inputs)
-        return out
-
-
-class _ReplayedGraph:
-    """What a CUDA graph does, on the CPU: the capture records the step without running it, a replay runs it, and reads
-    and writes the storages the capture saw (a real graph would use those addresses whatever the Python holds now)."""
-
-    def __init__(self, step, inputs: set[int]):
-        self.step, self.inputs = step, inputs
-
-    def replay(self):
-        with _StepAccess() as access:
-            self.step()
-        assert access.inputs == self.inputs, "a replay reads other tensors than its capture did: a stale graph"
-
-
-@contextlib.contextmanager
-def _restored(state: list[torch.Tensor]):
-    """`state` as it was before the block: a capture's warm-up takes a real step, whose effects the capture undoes."""
-    saved = [(tensor, tensor.clone()) for tensor in state]
-    yield
-    for tensor, copy in saved:
-        tensor.copy_(copy)
-
-
-@contextlib.contextmanager
-def _graphs_on_the_cpu(monkeypatch):
-    """Captures and replays on the CPU; yields the graphs captured and the (step, key, addresses) each call met."""
-    graphs, met = [], []
-    replay = step.StepRunner._replay
-    held: list[torch.Tensor] = []
-
-    def tracked_replay(self, run, args, buffers, state, key):
-        held[:] = [*buffers, *(t for t in state if t is not None)]
-        met.append((run, key, tuple((t.data_ptr(), tuple(t.shape)) for t in held)))
-        return replay(self, run, args, buffers, state, key)
-
-    def capture(run, state):
-        with _restored(state), _StepAccess() as access:
-            run()  # the warm-up
-        undone_or_rewritten = set(_storages(held))  # the state restored, the buffers written again by each replay
-        assert access.written <= undone_or_rewritten, "the warm-up wrote a tensor the runner neither restores nor holds"
-        graphs.append(_ReplayedGraph(run, access.inputs))
-        return graphs[-1]
-
-    monkeypatch.setattr(step.StepRunner, "_replay", tracked_replay)
-    monkeypatch.setattr(step, "_capture", capture)
-    yield graphs, met
-
-
-@pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o", "block"])
-def test_replayed_captures_sample_as_the_eager_step(tiny, monkeypatch, sparsity):
-    """The graph runner's bookkeeping, replayed on the CPU: one capture per set of buffers (rows joining and leaving,
-    buffers growing make new ones), every replay on the tensors its capture read, the warm-up's writes undone or
-    rewritten by the replay, and the rollout the eager one token for token."""
-    model, tokenizer = tiny
-    rows = None if sparsity == "block" else 3
-    _, eager = _generate(model, tokenizer, SPARSITY[sparsity], "false", max_rows=rows)
-    with _graphs_on_the_cpu(monkeypatch) as (graphs, met):
-        engine = RolloutEngine(model, SPARSITY[sparsity], record_distributions=True)
+def _replayed_on_the_cpu(model, tokenizer, monkeypatch, sparsity=None, max_rows=None):
+    """A rollout whose steps are captured and replayed by traced graphs (`capture_standin.py`)."""
+    with traced_graphs(monkeypatch, model_tensors(model)) as (graphs, met):
+        engine = RolloutEngine(model, sparsity, record_distributions=True)
         engine.runners["eager"] = step.StepRunner("graphs")  # what "auto" runs on the CPU, replaced
         prompts = _prompts(tokenizer)
         sampling = SamplingConfig(14, 1.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                   prompt_width=max(map(len, prompts)))
-        replayed = engine.generate(prompts, sampling, seeds=[request_seed(5, r) for r in range(len(prompts))],
-                                   max_rows=rows)
+        batch = engine.generate(prompts, sampling, seeds=[request_seed(5, r) for r in range(len(prompts))],
+                                max_rows=max_rows)
+    return batch, graphs, met
+
+
+@pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o", "block"])
+def test_replayed_captures_sample_as_the_eager_step(tiny, monkeypatch, sparsity):
+    """The graph runner's bookkeeping, replayed on the CPU by traced graphs (`capture_standin.py`: what the capture
+    read on the host frozen in): one capture per set of buffers (rows joining and leaving, buffers growing make new
+    ones), every tensor the step reads in its key, every replay on the tensors at its capture's addresses, the
+    warm-up's writes undone or rewritten by the replay, and the rollout the eager one token for token."""
+    model, tokenizer = tiny
+    rows = None if sparsity == "block" else 3
+    _, eager = _generate(model, tokenizer, SPARSITY[sparsity], "false", max_rows=rows)
+    replayed, graphs, met = _replayed_on_the_cpu(model, tokenizer, monkeypatch, SPARSITY[sparsity], rows)
     assert 1 < len(graphs) == len(set(met)) < 14  # captured again when the buffers changed, not at every step
     assert torch.equal(eager.response_ids, replayed.response_ids)
     torch.testing.assert_close(eager.sampler_logprobs, replayed.sampler_logprobs, atol=0, rtol=0)
     torch.testing.assert_close(eager.sampler_distribution, replayed.sampler_distribution, atol=0, rtol=0)
+
+
+def test_a_step_that_reads_a_host_integer_replays_what_its_capture_read(tiny, monkeypatch):
+    """The stand-in bites: a step that indexes by a Python integer the loop advances (here it records each drawn token
+    a second time, at the response index the cache's length in slots gives on the host) is the real step eagerly,
+    token for token, but a graph replays the index its capture read, so the replayed rollout records its tokens at
+    stale indices. The real step, replayed the same way, is the eager rollout (the test above)."""
+    model, tokenizer = tiny
+    real_step = step.decode_step
+
+    def step_reading_the_host(model, cache, provider, rows, out, sampling, keyword, generator=None):
+        # Every row is admitted at once and none evicts: each holds the prompt's width and one slot per token fed.
+        index = cache.layers[0].length - sampling.prompt_width + 1
+        real_step(model, cache, provider, rows, out, sampling, keyword, generator)
+        out.ids[rows.requests, index] = rows.tokens
+
+    _, eager = _generate(model, tokenizer, None)
+    monkeypatch.setattr(step, "decode_step", step_reading_the_host)
+    _, broken_eager = _generate(model, tokenizer, None)
+    assert torch.equal(eager.response_ids, broken_eager.response_ids)  # eagerly the host's index is the rows' own
+    broken_replayed, graphs, met = _replayed_on_the_cpu(model, tokenizer, monkeypatch)
+    assert len(met) > len(graphs)  # some steps replayed a graph captured at an earlier step
+    assert not torch.equal(eager.response_ids, broken_replayed.response_ids)
+
+
+def test_a_graph_is_refused_over_a_tensor_outside_its_key_and_fails_once_its_tensors_moved():
+    """The stand-in's address checks: a step that reads a tensor the runner does not hold (the key misses it) is not
+    captured, and a graph whose tensors were replaced since its capture is not replayed, as a real one would read
+    freed memory."""
+    from capture_standin import TracedGraph
+
+    counts, outside = torch.zeros(3), torch.ones(3)
+    held = [counts]
+    with pytest.raises(AssertionError, match="not in its key"):
+        TracedGraph(lambda: counts.add_(outside), [counts], lambda: held, [])
+    graph = TracedGraph(lambda: counts.add_(1.0), [counts], lambda: held, [])
+    graph.replay()
+    graph.replay()
+    assert counts.tolist() == [2.0] * 3  # captured, not run, then replayed twice
+    held[:] = [torch.zeros(3)]  # the buffers moved (`StepRunner` would have captured again)
+    with pytest.raises(AssertionError, match="stale graph"):
+        graph.replay()
+
+
+@pytest.mark.parametrize("mask_heads", [1, 2], ids=["one-mask", "per-kv-head"])
+@pytest.mark.parametrize("scaling", [None, 0.3])
+def test_the_gpus_decode_attention_is_the_explicit_one(mask_heads, scaling):
+    """`_decode_sdpa`, a decode query's attention on a GPU (one SDPA call, each KV head with its query group as a
+    batch entry), is softmax(q·kᵀ·scale, masked)·v computed head by head in float64, and the CPU's explicit path:
+    4 query heads over 2 KV heads, left padding, evicted slots, a mask per layer or per KV head."""
+    from sparserl.model import attention
+
+    generator = torch.Generator().manual_seed(0)
+    rows, q_heads, kv_heads, keys, dim = 3, 4, 2, 9, 8
+    query = torch.randn(rows, q_heads, 1, dim, generator=generator, dtype=torch.float64)
+    key, value = torch.randn(2, rows, kv_heads, keys, dim, generator=generator, dtype=torch.float64)
+    mask = torch.ones(rows, mask_heads, 1, keys, dtype=torch.bool)
+    mask[0, :, :, :3] = False  # left padding
+    mask[1, -1, :, [4, 6]] = False  # evicted (by the second KV head alone, where masks are per KV head)
+    mask[2, :, :, [0, 5]] = False
+    out = attention._decode_sdpa(query, key, value, mask, scaling)
+    scale = scaling if scaling is not None else dim ** -0.5
+    expected = torch.empty_like(query)
+    for row in range(rows):
+        for head in range(q_heads):
+            kv = head // (q_heads // kv_heads)
+            seen = mask[row, kv if mask_heads > 1 else 0, 0]
+            scores = key[row, kv, seen] @ query[row, head, 0] * scale
+            expected[row, head, 0] = scores.softmax(dim=0) @ value[row, kv, seen]
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    grouped = query.reshape(rows, kv_heads, q_heads // kv_heads, dim)
+    explicit = attention._explicit_attention(grouped, key, value, mask, scale, None).reshape(rows, q_heads, 1, dim)
+    torch.testing.assert_close(out, explicit, atol=1e-12, rtol=0)
 
 
 def test_the_compiled_cache_write_is_in_place():
@@ -196,8 +201,8 @@ def test_the_compiled_cache_write_is_in_place():
 
 
 class _RecordedStep:
-    """A CPU stand-in for a CUDA graph whose replay runs what was recorded (the access checks of `_ReplayedGraph`
-    run under a dispatch mode, which torch.compile refuses)."""
+    """A CPU stand-in for a CUDA graph whose replay runs what was recorded (`capture_standin.TracedGraph` traces the
+    step under a dispatch mode, which torch.compile refuses)."""
 
     def __init__(self, run):
         self.replay, self.compiled = run, "compiled" in run.__code__.co_freevars
@@ -213,7 +218,7 @@ def test_compiled_captures_sample_as_the_eager_step(tiny, monkeypatch, limit):
     graphs: list[_RecordedStep] = []
 
     def capture(run, state):
-        with _restored(state):
+        with restored(state):
             run()  # the warm-up
         graphs.append(_RecordedStep(run))
         return graphs[-1]
@@ -328,12 +333,18 @@ def test_more_step_shapes_than_dynamo_keeps_go_on_eagerly(tiny, monkeypatch):
     assert torch.equal(eager.response_ids, compiled.response_ids)
 
 
-def _speculative(draft: str, compile_decode: str, runner: step.StepRunner | None = None, gamma="3"):
-    """A lossless rollout of the tiny model (peaked attention, so that the draft differs from the dense model)."""
+@pytest.fixture(scope="module")
+def peaked():
+    """The tiny model with peaked attention, so that a sparse draft differs from the dense model."""
+    return make_tiny_model(seed=7, initializer_range=0.5)
+
+
+def _speculative(peaked, draft: str, compile_decode: str, runner: step.StepRunner | None = None, gamma="3"):
+    """A lossless rollout of the peaked tiny model."""
     from sparserl.rollout.speculative.drafts import WindowDraft
     from sparserl.rollout.speculative.sampler import SpeculativeSampler
 
-    model, tokenizer = make_tiny_model(seed=7, initializer_range=0.5)
+    model, tokenizer = peaked
     settings = WindowDraft(budget=8, sink=2) if draft == "window" else BlockSparsity(budget=12, page_size=4,
                                                                                     dense_layers=0)
     prompts = _prompts(tokenizer)
@@ -346,23 +357,23 @@ def _speculative(draft: str, compile_decode: str, runner: step.StepRunner | None
 
 
 @pytest.mark.parametrize("draft", ["window", "block"])
-def test_the_speculative_samplers_steps_replay_as_their_eager_runs(monkeypatch, draft):
+def test_the_speculative_samplers_steps_replay_as_their_eager_runs(peaked, monkeypatch, draft):
     """The lossless sampler's draft and verification steps run through the same static-step runner: replayed from
     captures (one per draft setting and per γ, kept while the rows stay, however γ moves), they sample what the eager
     steps sample, bit for bit."""
-    eager = _speculative(draft, "false")
+    eager = _speculative(peaked, draft, "false")
     assert eager.speculation.acceptance_rate < 1  # the draft differs from the dense model
-    with _graphs_on_the_cpu(monkeypatch) as (graphs, met):
-        replayed = _speculative(draft, "auto", step.StepRunner("graphs"))
+    with traced_graphs(monkeypatch, model_tensors(peaked[0])) as (graphs, met):
+        replayed = _speculative(peaked, draft, "auto", step.StepRunner("graphs"))
     assert graphs and len(graphs) == len(set(met))
     assert torch.equal(eager.response_ids, replayed.response_ids)
     torch.testing.assert_close(eager.sampler_logprobs, replayed.sampler_logprobs, atol=0, rtol=0)
 
 
-def test_a_speculative_round_whose_gamma_moves_replays_its_earlier_captures(monkeypatch):
+def test_a_speculative_round_whose_gamma_moves_replays_its_earlier_captures(peaked, monkeypatch):
     """Adaptive γ goes back and forth; each (step, γ) over the same rows is captured once and replayed after."""
-    with _graphs_on_the_cpu(monkeypatch) as (graphs, met):
-        batch = _speculative("window", "auto", step.StepRunner("graphs"), gamma="adaptive")
+    with traced_graphs(monkeypatch, model_tensors(peaked[0])) as (graphs, met):
+        batch = _speculative(peaked, "window", "auto", step.StepRunner("graphs"), gamma="adaptive")
     verify = [key for run, key, _ in met if run.__name__ == "verify_step"]
     assert len(set(verify)) > 1 and len(verify) > len(set(verify))  # γ moved, and came back
     assert len(graphs) == len(set(met))
@@ -371,12 +382,12 @@ def test_a_speculative_round_whose_gamma_moves_replays_its_earlier_captures(monk
 
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["window", "block"])
-def test_the_speculative_samplers_steps_compile_whole(draft):
+def test_the_speculative_samplers_steps_compile_whole(peaked, draft):
     """Compiled with fullgraph=True (no graph break), the draft and verification steps sample the eager tokens; the
     log-probs agree to the compiler's float rounding (5.5e-5 at most seen on this peaked model). Slow: each γ and
     draft setting compiles (about two minutes)."""
-    eager = _speculative(draft, "false")
+    eager = _speculative(peaked, draft, "false")
     torch._dynamo.reset()
-    compiled = _speculative(draft, "true")
+    compiled = _speculative(peaked, draft, "true")
     assert torch.equal(eager.response_ids, compiled.response_ids)
     torch.testing.assert_close(eager.sampler_logprobs, compiled.sampler_logprobs, atol=1e-4, rtol=1e-4)

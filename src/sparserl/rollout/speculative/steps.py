@@ -25,12 +25,14 @@ _ACCEPT_STREAM, _RESIDUAL_STREAM = 0x5DEECE66D, 0x2545F4914F6CDD1D
 
 
 class Rollout:
-    """One speculative rollout's parts, as its static steps read them."""
+    """One speculative rollout's parts, as its static steps read them. `runner`: the sampler's step runner, through
+    which every step of this rollout also holds what all of them read beside their own tensors (`RolloutRunner`)."""
 
     def __init__(self, model, cache: BufferCache, provider, state: SpeculativeRows, sampling,
                  width: int, capacity: int, keyword: str, runner: StepRunner):
         self.model, self.cache, self.provider, self.state, self.sampling = model, cache, provider, state, sampling
-        self.width, self.capacity, self.keyword, self.runner = width, capacity, keyword, runner
+        self.width, self.capacity, self.keyword = width, capacity, keyword
+        self.runner = RolloutRunner(runner, self)
         self._drafting: DraftState | None = None
         self.verified: dict[str, torch.Tensor] = {}
 
@@ -62,6 +64,34 @@ class Rollout:
         drafting.index.copy_(emitted)
         drafting.step.zero_()
         return drafting
+
+    def read_tensors(self) -> list[torch.Tensor]:
+        """What the steps of the rollout read beside their own tensors: the rows' seeds and prompt lengths `[B]`, the
+        request each cache row holds `[A]` (a new tensor when rows leave), and the round's draft (`DraftState`, which
+        the verification reads; new buffers when rows leave)."""
+        drafting = self._drafting.tensors() if self._drafting is not None else []
+        return [self.state.seeds, self.state.prompt_lengths, self.state.rows, *drafting]
+
+    def step_key(self) -> tuple:
+        """The Python values every step of the rollout reads: a capture freezes them in."""
+        sampling, state = self.sampling, self.state
+        return (self.width, self.keyword, sampling.temperature, sampling.eos_token_id, state.steps,
+                state.logprob_dtype)
+
+
+class RolloutRunner:
+    """A `StepRunner` as one rollout's steps run through it: each call's buffers also hold the tensors every step of
+    the rollout reads (`Rollout.read_tensors`: a graph captured over one rollout's seeds is never replayed over
+    another's) and its key the Python values they read (`Rollout.step_key`)."""
+
+    def __init__(self, runner: StepRunner, rollout: Rollout):
+        self.runner, self.rollout = runner, rollout
+
+    def run(self, step: Callable, args: tuple, buffers: list[torch.Tensor], state: list[torch.Tensor],
+            key: tuple = (), varying: list = ()) -> None:
+        reads = self.rollout.read_tensors()
+        self.runner.run(step, args, [*buffers, *reads], state, (*key, *self.rollout.step_key()),
+                        [*varying, *((tensor, (0,)) for tensor in reads if tensor.dim())])
 
 
 def draft_step(rollout: Rollout, drafting: DraftState) -> None:

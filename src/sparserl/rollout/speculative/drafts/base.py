@@ -71,6 +71,7 @@ class DenseDraft:
         pass
 
     def static_key(self) -> tuple:
+        """Every Python value `select` and `commit_slots` read: a captured step freezes them in."""
         return ()
 
     def static_tensors(self) -> list[torch.Tensor]:

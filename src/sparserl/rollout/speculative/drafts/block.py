@@ -30,7 +30,8 @@ class _BlockDraft(DenseDraft):
         self.selector.begin_step(cached_len, length)
 
     def static_key(self) -> tuple:
-        return self.selector.static_key()
+        """The settings the selector reads (page size, budget, dense layers) and the pages it attends this step."""
+        return (self.sparsity, *self.selector.static_key())
 
     def static_tensors(self) -> list[torch.Tensor]:
         return self.selector.static_tensors()

@@ -45,7 +45,8 @@ class _WindowDraft(DenseDraft):
         self.binds = length > self.settings.budget
 
     def static_key(self) -> tuple:
-        return (self.binds,)
+        """The settings `select` reads (its slices' sizes) and whether the window binds yet."""
+        return (self.settings, self.binds)
 
     def static_tensors(self) -> list[torch.Tensor]:
         return [self.fraction_sum, self.fractions]
