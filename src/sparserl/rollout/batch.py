@@ -51,6 +51,9 @@ def kv_saved(sparse_peak_bytes: float, dense_peak_bytes: float | None) -> float 
     return 1.0 - sparse_peak_bytes / dense_peak_bytes
 
 
+STEP_COUNTS = ("step_compilations", "step_compile_seconds", "step_captures", "step_capture_seconds", "step_fallbacks")
+
+
 @dataclass
 class KVStats:
     """What a rollout's cache cost; bytes are measured from the buffers' own `nbytes`. `kv_dense_bytes` is a bound,
@@ -70,6 +73,22 @@ class KVStats:
     attended_frac: float = 1.0
     rows_in_flight: int = 0  # the most rows decoding at once (the scheduler's S; 0: not scheduled)
     waves: int = 1  # groups of rows that started together: cohorts joining freed rows, or waves run in turn
+    # What running the static decode steps cost beyond the steps (`engine.step.StepCounts`): torch.compile
+    # compilations and CUDA graph captures made during this rollout, the seconds they took, and fallbacks (steps
+    # past dynamo's limit of shapes run uncompiled from then on, for the rest of the run).
+    step_compilations: int = 0
+    step_compile_seconds: float = 0.0
+    step_captures: int = 0
+    step_capture_seconds: float = 0.0
+    step_fallbacks: int = 0
+
+    def add_step_counts(self, counts) -> None:
+        """Count a rollout's `engine.step.StepCounts`."""
+        self.step_compilations += counts.compilations
+        self.step_compile_seconds += counts.compile_seconds
+        self.step_captures += counts.captures
+        self.step_capture_seconds += counts.capture_seconds
+        self.step_fallbacks += counts.fallbacks
 
     @classmethod
     def merged(cls, stats: list[KVStats], rows: list[int]) -> KVStats:
@@ -92,6 +111,7 @@ class KVStats:
             attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
             rows_in_flight=max(s.rows_in_flight for s in stats),
             waves=sum(s.waves for s in stats),
+            **{name: sum(getattr(s, name) for s in stats) for name in STEP_COUNTS},
             **per_row,
         )
 
@@ -106,6 +126,7 @@ class KVStats:
             "kv_compress_time_frac": self.compress_seconds / max(rollout_seconds, 1e-9),
             "kv_attended_frac": self.attended_frac,
             "rows_in_flight": self.rows_in_flight, "rollout_waves": self.waves,
+            **{name: getattr(self, name) for name in STEP_COUNTS},
         }
 
 

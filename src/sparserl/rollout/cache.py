@@ -335,14 +335,29 @@ class BufferCache(Cache):
         for layer in self.layers:
             layer.advance(tokens)
 
-    def static_tensors(self) -> list[torch.Tensor]:
+    # --- a step participant (`engine/participants.py`) ---
+    def step_buffers(self) -> list[torch.Tensor]:
         """The buffers the static step reads and writes (a captured step holds their addresses); writing the same
         step twice writes the same values to them."""
         return [t for layer in self.layers for t in (layer.keys, layer.values, layer.columns, layer.real)]
 
-    def static_counters(self) -> list[torch.Tensor]:
+    def step_state(self) -> list[torch.Tensor]:
         """The counts the static step advances (each layer's `slot_counts`)."""
         return [layer.slot_counts for layer in self.layers]
+
+    def step_key(self) -> tuple:
+        return ()
+
+    def varying_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Rows and capacity: `[N, H, C, ...]` buffers, `[N]` counts."""
+        return [(t, (0, 2)) for t in self.step_buffers()] + [(t, (0,)) for t in self.step_state()]
+
+    def begin_step(self, rows) -> None:
+        """The decode step feeds one token per row of `rows` (`engine.step.RowState`)."""
+        self.begin_static(rows.columns[:, None], rows.fed_real[:, None])
+
+    def end_step(self) -> None:
+        self.end_static()
 
     def peak_bytes(self) -> dict[str, int]:
         totals = {"full_attention": 0, "sliding_attention": 0}

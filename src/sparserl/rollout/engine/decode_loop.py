@@ -38,9 +38,10 @@ from .rollout_attention import RolloutAttention
 
 from .step import Responses, RowState, draw_and_record, run_decode_step
 
-# Slots a cache grows by: a dense one finely, so that its measured peak (what KV saved divides by) is at most 15 slots
-# a row past its length; any one coarsely where each growth is a new CUDA graph or compilation of the static step.
-DENSE_GROWTH, CAPTURED_GROWTH = 16, 128
+# A cache that no budget binds grows in LADDER_RUNGS steps from its prompt to its whole sequence (in multiples of
+# GROWTH_QUANTUM slots): a few capacities per run, each a CUDA graph of the static step, and its measured peak (what
+# KV saved divides by) at most one step past the rows' need, the same figure however the step runs.
+LADDER_RUNGS, GROWTH_QUANTUM = 8, 16
 
 
 @dataclass
@@ -78,13 +79,8 @@ class DecodeLoop:
         self.runner = engine.step_runner(sampling.compile_decode)
         self.full = engine.full_capacity(self.width, self.steps)
         self.capacities = engine.capacities(self.width, self.steps, engine.num_layers)
-        # Compressed buffers grow an interval at a time, so that memory follows a growing schedule; a budget
-        # that can never bind grows as the dense cache does (and so costs the same memory when rows leave).
-        binds = self.comp is not None and min(self.capacities) < self.full
-        if self.runner.mode == "eager":
-            self.growth = self.comp.interval if binds else DENSE_GROWTH
-        else:
-            self.growth = max(self.comp.interval, CAPTURED_GROWTH) if binds else CAPTURED_GROWTH
+        self.growth = cache_growth(self.full, self.comp.interval if self.comp is not None else None,
+                                   binds=self.comp is not None and min(self.capacities) < self.full)
         self.prompt_lengths = prompt_mask.sum(dim=1)
         batch, device = self.requests, self.device
         self.out = Responses(
@@ -113,20 +109,21 @@ class DecodeLoop:
     def run(self) -> DecodeLoop:
         if self.steps == 0:
             return self
-        self._admit(min(self.max_rows, self.requests), start=0)
-        step = 0
-        with masked_attention(self.model, self.provider):
-            while True:
-                self._release_finished(step)
-                joining = min(self.requests - self.admitted, self.max_rows - self.batch_rows)
-                if not self.batch_rows and not joining:
-                    break
-                if self.batch_rows:
-                    self._decode(step)
-                if joining:
-                    self._admit(joining, start=step + 1)
-                step += 1
-        self.runner.release()
+        with self.runner.one_rollout() as step_counts:
+            self._admit(min(self.max_rows, self.requests), start=0)
+            step = 0
+            with masked_attention(self.model, self.provider):
+                while True:
+                    self._release_finished(step)
+                    joining = min(self.requests - self.admitted, self.max_rows - self.batch_rows)
+                    if not self.batch_rows and not joining:
+                        break
+                    if self.batch_rows:
+                        self._decode(step)
+                    if joining:
+                        self._admit(joining, start=step + 1)
+                    step += 1
+        self.stats.add_step_counts(step_counts)
         self.stats.waves = self.cohorts_admitted
         self.stats.compress_seconds = self.compress_watch.seconds()
         return self
@@ -293,6 +290,16 @@ class DecodeLoop:
                 record.index_copy_(0, requests, columns)
             events.append(EvictionEvent(column, layer, record))
         return events
+
+
+def cache_growth(full: int, interval: int | None, binds: bool) -> int:
+    """Slots a rollout's cache grows by, whatever the compile mode (so that KV saved is one figure): a compressed
+    cache one interval at a time, so that its memory follows a growing schedule; one that no budget binds (dense, or
+    a budget that can never bind, which then costs what the dense cache costs) an eighth of its whole sequence
+    `full`, in whole quanta."""
+    if binds:
+        return interval
+    return -(-full // (LADDER_RUNGS * GROWTH_QUANTUM)) * GROWTH_QUANTUM
 
 
 def held_tokens(cache: BufferCache, fed_tokens: torch.Tensor) -> torch.Tensor:

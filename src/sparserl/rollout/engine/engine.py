@@ -36,15 +36,18 @@ class RolloutEngine:
 
     def __init__(self, model, compression: KVCompression | BlockSparsity | None = None,
                  record_evictions: bool = True, record_distributions: bool = False,
-                 release_finished_rows: bool = True, check_every: int = 4):
+                 release_finished_rows: bool = True, check_every: int = 4,
+                 runners: dict[str, StepRunner] | None = None):
         """`release_finished_rows=False` keeps every row in the batch until the longest ends (a static
         batch, the engine's shape before rows could leave; `bench/scheduler.py` compares the two).
         `check_every`: decode steps between the loop's reads of which rows ended (each read waits for the device).
-        How the static decode step runs is the sampling's `compile_decode` (`step.StepRunner`)."""
+        How the static decode step runs is the sampling's `compile_decode` (`step.StepRunner`); `runners`: the
+        runners by mode, shared with the samplers before and after this one (the dispatch's `SamplerCache`), so
+        that compilations last the run."""
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
         self.model = model
-        self.runners: dict[str, StepRunner] = {}  # by mode: a runner keeps its captures and compilation
+        self.runners = runners if runners is not None else {}  # by mode: a runner keeps its compilations
         self.check_every = check_every
         self.num_layers = len(decoder_layers(model))
         self.release_finished_rows = release_finished_rows

@@ -38,28 +38,40 @@ class RolloutAttention:
         unreal ones on the left while the prompt is shorter."""
         self.cache.set_incoming(columns, real)
         if self.keep_queries:
+            # Contiguous, as every later copy is: a compiled step guards on strides (`_fitted`, `observe` too).
             self.window_real = F.pad(real[:, -self.window:], (self.window - min(self.window, real.shape[1]), 0),
-                                     value=False)
+                                     value=False).contiguous()
 
-    # --- the static step -----------------------------------------------------------------------------
-    def begin_static_step(self, fed_real: torch.Tensor) -> None:
-        """The static step feeds one token per row, real where `fed_real [N]`: the window moves on by one."""
+    # --- the static step, as a step participant (`participants.py`) ------------------------------------------
+    def begin_step(self, rows) -> None:
+        """The static step feeds one token per row (`step.RowState`), real where `rows.fed_real [N]`: the window
+        moves on by one."""
         if self.window_real is not None:
-            self.window_real.copy_(torch.cat([self.window_real[:, 1:], fed_real[:, None]], dim=1))
+            self.window_real.copy_(torch.cat([self.window_real[:, 1:], rows.fed_real[:, None]], dim=1))
 
-    def end_static_step(self) -> None:
+    def end_step(self) -> None:
         if self.selector is not None:
             self.selector.end_static_step()
 
-    def static_key(self) -> tuple:
+    def step_key(self) -> tuple:
         """What shapes the static step besides its tensors (block attention's pages per step)."""
         return self.selector.static_key() if self.selector is not None else ()
 
-    def static_tensors(self) -> list[torch.Tensor]:
+    def step_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def step_state(self) -> list[torch.Tensor]:
         """What the static step advances here: the windows, the masses, the block selector's state."""
-        window = [self.window_real] if self.window_real is not None else []
-        selector = self.selector.static_tensors() if self.selector is not None else []
-        return [*self.queries.values(), *window, *self.mass.values(), *selector]
+        return [*self._window_tensors(), *self.mass.values(),
+                *(self.selector.static_tensors() if self.selector is not None else [])]
+
+    def varying_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Rows (`[N, ...]` windows) and capacity (`[N, Hkv, C]` masses); block attention's page state keeps its
+        shapes (its rows stay to the end)."""
+        return [(t, (0,)) for t in self._window_tensors()] + [(m, (0, 2)) for m in self.mass.values()]
+
+    def _window_tensors(self) -> list[torch.Tensor]:
+        return [*self.queries.values(), *([self.window_real] if self.window_real is not None else [])]
 
     def fit_capacity(self) -> None:
         """Fit the attention masses to their layers' buffers (after a buffer grew or shrank, or rows joined)."""
@@ -67,7 +79,8 @@ class RolloutAttention:
 
     def _fitted(self, mass: torch.Tensor, layer_idx: int) -> torch.Tensor:
         extra = self.cache.layers[layer_idx].capacity - mass.shape[2]
-        return F.pad(mass, (0, extra)) if extra else mass  # a negative pad cuts: the slots past a shrink are free
+        # A negative pad cuts: the slots past a shrink are free.
+        return F.pad(mass, (0, extra)).contiguous() if extra else mass
 
     # --- the mask provider ---------------------------------------------------------------------------
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
@@ -86,7 +99,7 @@ class RolloutAttention:
                 window.copy_(torch.cat([window[:, :, 1:], query], dim=2))
             else:
                 width = min(self.window, query.shape[2])
-                self.queries[layer_idx] = F.pad(query[:, :, -width:], (0, 0, self.window - width, 0))
+                self.queries[layer_idx] = F.pad(query[:, :, -width:], (0, 0, self.window - width, 0)).contiguous()
         if self.keep_mass:
             self._accumulate_mass(layer_idx, query, key, mask)
 

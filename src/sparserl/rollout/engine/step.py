@@ -6,9 +6,10 @@ cache slot and realness, its draw counter (`RowState`), the cache buffers (`Buff
 window of queries and attention mass, and the per-request outputs (`Responses`). Its masks come from the cache's
 realness and columns inside the step; nothing in it reads a value back to the host, indexes by a boolean mask or
 branches on a tensor's value, and no shape changes from one step to the next. So it can be captured as one CUDA graph
-per (rows, cache capacity) and replayed (`StepRunner`, as vLLM does), compiled whole
-(`torch.compile(fullgraph=True, dynamic=False)`), or both, the compiled step captured: the loop only calls it
-between the events that change a shape (rows joining or leaving, a buffer growing, a compression).
+per (rows, cache capacity) and replayed (`StepRunner`, as vLLM does), compiled whole (`torch.compile(fullgraph=True)`,
+once over symbolic rows and capacity), or both, the compiled step captured: the loop only calls it between the events
+that change a shape (rows joining or leaving, a buffer growing, a compression). What the step reads and advances
+comes from its participants, each under one contract (`participants.py`).
 
 Each row draws the token at its own response index from its own seed (`token_draws.row_uniforms`), so a row's tokens
 do not depend on the rows beside it, and the step's outputs are the eager step's whether it runs eagerly, compiled
@@ -17,18 +18,26 @@ or replayed (tests/test_static_step.py).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
 import torch
 
 from ...errors import ConfigError
 from ...model.structure import rope_depends_on_length, text_config
+from .participants import Varying, mark_varying, step_buffers, step_key, step_state, varying_dims
 from .token_draws import draw_tokens, row_uniforms
 
 COMPILE_CHOICES = ("auto", "true", "false")
 MODES = ("eager", "compile", "graphs", "compiled-graphs")
+# One torch.compile of each step function for the whole process: dynamo keeps its compilations per function and
+# per torch.compile call, so a runner of its own for every sampler (an evaluation's engine, a sampler rebuilt when
+# a budget moves) would compile the step again, up to dynamo's limit of compilations per function.
+_COMPILED_STEPS: dict[Callable, Callable] = {}
 
 
 @dataclass
@@ -59,6 +68,27 @@ class RowState:
         return RowState(**{f.name: None if getattr(self, f.name) is None else
                            torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)})
 
+    # --- a step participant (`participants.py`) ---
+    def step_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def step_state(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
+
+    def step_key(self) -> tuple:
+        return ()
+
+    def varying_dims(self) -> Varying:
+        return [(t, (0,)) for t in self.step_state()]
+
+    def begin_step(self, rows: RowState) -> None:
+        pass
+
+    def end_step(self) -> None:
+        """The token drawn goes one position and one column further than the one fed."""
+        self.positions.add_(1)
+        self.columns.add_(1)
+
 
 @dataclass
 class Responses:
@@ -74,6 +104,25 @@ class Responses:
     live: torch.Tensor
     fed: torch.Tensor
     distributions: torch.Tensor | None = None
+
+    # --- a step participant (`participants.py`): Q and T change between rollouts (an evaluation's chunks) ---
+    def step_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def step_state(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
+
+    def step_key(self) -> tuple:
+        return ()
+
+    def varying_dims(self) -> Varying:
+        return [(t, (0, 1) if t.dim() > 1 else (0,)) for t in self.step_state()]
+
+    def begin_step(self, rows: RowState) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
 
 
 def draw_and_record(logits: torch.Tensor, rows: RowState, out: Responses, sampling, own: torch.Tensor,
@@ -91,7 +140,9 @@ def draw_and_record(logits: torch.Tensor, rows: RowState, out: Responses, sampli
     if out.distributions is not None:
         out.distributions.index_put_((requests, own), step_logp)
     out.lengths.index_put_((requests,), out.lengths[requests] + fed_real.long())
-    still = fed_real & (own < sampling.max_new_tokens - 1)
+    # The length limit T read from the outputs' shape, not `sampling`: a compiled step keeps it symbolic, where a
+    # Python int would be a constant that a rollout of another length compiles again.
+    still = fed_real & (own < out.ids.shape[1] - 1)
     if sampling.eos_token_id is not None:
         hit_eos = fed_real & (token == sampling.eos_token_id)
         out.ended.index_put_((requests,), out.ended[requests] | hit_eos)
@@ -107,33 +158,57 @@ def decode_step(model, cache, provider, rows: RowState, out: Responses, sampling
     """Feed each row's token, draw the next one, record it and advance `rows` (see the module), under the caller's
     `masked_attention(model, provider)`. The caller has made room for one more slot in every row
     (`BufferCache.reserve`) and counts it afterwards (`BufferCache.advance`)."""
-    cache.begin_static(rows.columns[:, None], rows.fed_real[:, None])
-    provider.begin_static_step(rows.fed_real)
+    cache.begin_step(rows)
+    provider.begin_step(rows)
     logits = model(input_ids=rows.tokens[:, None], position_ids=rows.positions[:, None],
                    **{cache_keyword: cache}, use_cache=True).logits[:, -1]
-    cache.end_static()
-    provider.end_static_step()
+    cache.end_step()
+    provider.end_step()
     out.fed.index_put_((rows.requests,), out.fed[rows.requests] + rows.fed_real.long())
     draw_and_record(logits, rows, out, sampling, rows.counters + 1, generator)
-    rows.positions.add_(1)
-    rows.columns.add_(1)
+    rows.end_step()
+
+
+@dataclass
+class StepCounts:
+    """What running the static steps cost beyond the steps themselves: compilations (one per step function and set
+    of guards dynamo meets), CUDA graph captures, the seconds each took, and fallbacks (a runner that met more shapes
+    than dynamo keeps compiled runs the rest of the run uncompiled, `StepRunner`)."""
+
+    compilations: int = 0
+    compile_seconds: float = 0.0
+    captures: int = 0
+    capture_seconds: float = 0.0
+    fallbacks: int = 0
+
+    def since(self, before: StepCounts) -> StepCounts:
+        """What was counted after `before` (a copy of these counts taken earlier)."""
+        return StepCounts(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
 
 
 class StepRunner:
     """Runs a static step (`decode_step`, the speculative sampler's draft and verification steps): eagerly, compiled
-    (`torch.compile(fullgraph=True, dynamic=False)`, the CPU's proof that the step has no graph break) or replayed
-    from CUDA graphs, each captured on the first call that meets its key (the step, the Python values that shape it,
-    the addresses and shapes of every tensor it reads and writes) and dropped once the buffers it holds are replaced.
+    or replayed from CUDA graphs, each captured on the first call that meets its key (the step, the Python values
+    that shape it, the addresses and shapes of every tensor it reads and writes) and dropped once the buffers it
+    holds are replaced (and at the end of each rollout, `one_rollout`). Compilations are the process's
+    (`_COMPILED_STEPS`), so they last the run whichever sampler runs the step; a runner serves the whole run too (the
+    dispatch's `SamplerCache` keeps it across samplers), so a fallback lasts the run and is counted.
+
+    Compiled (`torch.compile(fullgraph=True)`, the CPU's proof that the step has no graph break), the dims that
+    change within a run (rows in flight, cache capacity, requests: the participants' `varying_dims`) are symbolic,
+    so a step function compiles once for every size, and again at most for a size of one, which dynamo
+    specialises.
 
     `mode`: "eager", "compile", "graphs" or "compiled-graphs" (compiled, then the compiled step captured, so that
     one replay launches the compiler's fused kernels); `compile_decode` (auto | true | false) chooses: auto is graphs
-    on CUDA, eager elsewhere; true is compiled-graphs on CUDA and compile elsewhere."""
+    on CUDA, eager elsewhere; true is compiled-graphs on CUDA and compile elsewhere. `counts`: what compiling and
+    capturing cost so far (`StepCounts`)."""
 
     def __init__(self, mode: str):
         if mode not in MODES:
             raise ValueError(f"step mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
-        self._compiled: dict[Callable, Callable] = {}
+        self.counts = StepCounts()
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
     @staticmethod
@@ -164,26 +239,56 @@ class StepRunner:
         """Drop the captured graphs (they hold the rollout's buffers and their memory pools)."""
         self._graphs.clear()
 
+    @contextlib.contextmanager
+    def one_rollout(self) -> Iterator[StepCounts]:
+        """A rollout's use of the runner: yields what it will have cost (`StepCounts`, filled in when it ends), and
+        drops its graphs when it ends or fails."""
+        before, made = dataclasses.replace(self.counts), StepCounts()
+        try:
+            yield made
+        finally:
+            self.release()
+            for name, value in vars(self.counts.since(before)).items():
+                setattr(made, name, value)
+
     def run(self, step: Callable, args: tuple, buffers: list[torch.Tensor], state: list[torch.Tensor],
-            key: tuple = ()) -> None:
+            key: tuple = (), varying: Varying = ()) -> None:
         """`step(*args)`, which reads and writes `buffers` (writing the same values if run twice, as a cache's slots)
         and advances `state` (counters, windows, outputs: restored after the warm-up a capture needs). `key`: the
-        Python values the step's work depends on."""
+        Python values the step's work depends on; `varying`: the dims that change size within a run, which a
+        compilation keeps symbolic."""
         if self.mode == "eager":
             step(*args)
-        elif self.mode == "compile":
+            return
+        if self.mode in ("compile", "compiled-graphs"):
+            mark_varying(varying)
+        if self.mode == "compile":
             self._run_compiled(step, args)
         else:
             self._replay(step, args, buffers, state, key)
 
-    def _compiled_step(self, step: Callable) -> Callable:
-        if step not in self._compiled:
-            self._compiled[step] = torch.compile(step, fullgraph=True, dynamic=False)
-        return self._compiled[step]
+    @staticmethod
+    def _compiled_step(step: Callable) -> Callable:
+        if step not in _COMPILED_STEPS:
+            _COMPILED_STEPS[step] = torch.compile(step, fullgraph=True, dynamic=None)
+        return _COMPILED_STEPS[step]
+
+    def _counting_compilations(self, run: Callable[[], None]) -> None:
+        """`run()`, counting the compilations it made and the seconds of the calls that made one. Sizes equal at
+        compile time stay distinct symbols (no duck shaping): rows that happen to equal the requests must not make
+        a guard that the next rollout fails."""
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        started = time.perf_counter()
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            run()
+        made = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        if made:
+            self.counts.compilations += made
+            self.counts.compile_seconds += time.perf_counter() - started
 
     def _run_compiled(self, step: Callable, args: tuple) -> None:
         try:
-            self._compiled_step(step)(*args)
+            self._counting_compilations(lambda: self._compiled_step(step)(*args))
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             self._past_recompile_limit("eager", stacklevel=4)
             step(*args)
@@ -197,38 +302,43 @@ class StepRunner:
             # this step over these buffers with another key, a speculative round's γ, stays).
             for stale in [k for k in self._graphs if k[0] is step and k[2] != held]:
                 del self._graphs[stale]
+            started = time.perf_counter()
             graph = self._graphs[full_key] = self._capture_step(step, args, [t for t in state if t is not None])
+            self.counts.captures += 1
+            self.counts.capture_seconds += time.perf_counter() - started
         graph.replay()
 
     def _capture_step(self, step: Callable, args: tuple, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
         if self.mode == "compiled-graphs":
             compiled = self._compiled_step(step)
+            captured = []
             try:
-                return _capture(lambda: compiled(*args), state)
+                self._counting_compilations(lambda: captured.append(_capture(lambda: compiled(*args), state)))
+                return captured[0]
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 self._past_recompile_limit("graphs", stacklevel=5)
         return _capture(lambda: step(*args), state)
 
     def _past_recompile_limit(self, fallback_mode: str, stacklevel: int) -> None:
-        # Each (rows, capacity) is a compilation; rows leaving and joining can make more than dynamo keeps. Dynamo
-        # raises before the step runs (in a capture's warm-up, before it), so no state has moved and the rest of the
-        # rollout goes on uncompiled: the same step, float rounding aside. `stacklevel` names `run`'s caller.
+        # Dynamo raises before the step runs (in a capture's warm-up, before it), so no state has moved and the rest
+        # of the run goes on uncompiled: the same step, float rounding aside. Counted, so that the rollouts' metrics
+        # say so (`KVStats.step_fallbacks`). `stacklevel` names `run`'s caller.
         how = "run eagerly" if fallback_mode == "eager" else "are captured uncompiled"
         warnings.warn(f"compile_decode: more step shapes than torch.compile keeps compiled; the rest of this "
-                      f"rollout's steps {how}", RuntimeWarning, stacklevel=stacklevel)
+                      f"run's steps {how}", RuntimeWarning, stacklevel=stacklevel)
+        self.counts.fallbacks += 1
         self.mode = fallback_mode
 
 
 def run_decode_step(runner: StepRunner, model, cache, provider, rows: RowState, out: Responses, sampling,
                     cache_keyword: str, generator: torch.Generator | None = None) -> None:
-    """`decode_step` through `runner`, with the tensors it reads and advances."""
-    state = [*cache.static_counters(), *provider.static_tensors(), *(getattr(rows, f.name) for f in fields(rows)),
-             *(getattr(out, f.name) for f in fields(out))]
+    """`decode_step` through `runner`, with the tensors its participants expose (`participants.py`)."""
     if rows.seeds is None:  # rows drawing from one generator: eagerly, outside any graph
         decode_step(model, cache, provider, rows, out, sampling, cache_keyword, generator)
         return
-    runner.run(decode_step, (model, cache, provider, rows, out, sampling, cache_keyword), cache.static_tensors(),
-               state, provider.static_key())
+    participants = (cache, provider, rows, out)
+    runner.run(decode_step, (model, cache, provider, rows, out, sampling, cache_keyword), step_buffers(participants),
+               step_state(participants), step_key(participants), varying_dims(participants))
 
 
 def _capture(step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:

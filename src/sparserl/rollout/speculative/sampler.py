@@ -65,14 +65,16 @@ class SpeculativeSampler:
     refills_rows = False
 
     def __init__(self, model, draft: BlockSparsity | WindowDraft | None, draft_tokens: int | str = 4,
-                 max_draft_tokens: int = 8):
+                 max_draft_tokens: int = 8, runners: dict[str, StepRunner] | None = None):
+        """`runners`: the step runners by `compile_decode`, shared with the samplers before and after this one (the
+        dispatch's `SamplerCache`), so that compilations last the run."""
         self.model = model
         self.draft = draft
         self.draft_tokens = draft_tokens
         self.max_draft_tokens = max_draft_tokens if draft_tokens == "adaptive" else int(draft_tokens)
         self.adaptive = AdaptiveDraftLength(most=max_draft_tokens) if draft_tokens == "adaptive" else None
         self.totals = SpeculationStats()  # over every generate since the last take_stats
-        self.runners: dict[str, StepRunner] = {}
+        self.runners = runners if runners is not None else {}
 
     def take_stats(self) -> SpeculationStats:
         """What the speculation did since the last call (a step's, or a shard's on a worker), then reset."""
@@ -121,7 +123,7 @@ class SpeculativeSampler:
         stats = SpeculationStats()
         runner = self.runners.setdefault(sampling.compile_decode, StepRunner.for_model(sampling.compile_decode, model))
         rollout = Rollout(model, cache, provider, state, sampling, width, capacity, cache_keyword(model), runner)
-        with masked_attention(model, provider):
+        with masked_attention(model, provider), runner.one_rollout() as step_counts:
             cache.set_incoming(torch.arange(width, device=device).expand(len(first), -1), prompt_mask[first])
             logits = model(input_ids=prompt_ids[first], position_ids=positions_from_mask(prompt_mask[first]),
                            **{rollout.keyword: cache}, use_cache=True, logits_to_keep=1).logits
@@ -144,7 +146,6 @@ class SpeculativeSampler:
                     for layer in cache.layers:
                         layer.select_rows(staying)
                     draft.recommit(cache)
-        runner.release()
         stats.attended_frac = draft.attended_frac
         self.totals.add(stats)
         span = int(state.lengths.max())
@@ -153,6 +154,7 @@ class SpeculativeSampler:
                      kv_peak_bytes_by_layer_type=cache.peak_bytes(),
                      kept_tokens=(state.prompt_lengths + state.lengths).float(),
                      evicted_tokens=torch.zeros(batch, device=device))
+        kv.add_step_counts(step_counts)
         response_mask = (torch.arange(span, device=device)[None, :] < state.lengths[:, None]).float()
         return SpeculativeBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=state.response_ids[:, :span],
@@ -176,14 +178,16 @@ class SpeculativeSampler:
         drafting = rollout.begin_round(self.max_draft_tokens)
         longest_fed = int(emitted.max()) - 1  # one host read per round, not one per draft step
         device = emitted.device
+        # Rows leave the batch: the dims of rows (and the cache's capacity) stay symbolic in a compilation.
+        varying = cache.varying_dims() + [(t, (0,)) for t in drafting.tensors() if t.dim()]
 
         started = now(device)
         rollout.provider.drafting = True
         for j in range(gamma):
             draft.begin_step(rollout.width + longest_fed + j, cache.layers[0].length + 1)
-            rollout.runner.run(draft_step, (rollout, drafting), cache.static_tensors(),
-                               [*cache.static_counters(), *drafting.tensors(), *draft.static_tensors()],
-                               draft.static_key())
+            rollout.runner.run(draft_step, (rollout, drafting), cache.step_buffers(),
+                               [*cache.step_state(), *drafting.tensors(), *draft.static_tensors()],
+                               draft.static_key(), varying)
             cache.advance(1)
         rollout.provider.drafting = False
         for layer in cache.layers:  # the draft's slots: the verifier rewrites them densely
@@ -193,9 +197,9 @@ class SpeculativeSampler:
 
         started = now(device)
         outputs = rollout.verified
-        rollout.runner.run(verify_step, (rollout, draft, drafting, gamma), cache.static_tensors(),
-                           [*cache.static_counters(), *state.tensors(), *outputs.values(), *draft.static_tensors()],
-                           (gamma,))
+        rollout.runner.run(verify_step, (rollout, draft, drafting, gamma), cache.step_buffers(),
+                           [*cache.step_state(), *state.tensors(), *outputs.values(), *draft.static_tensors()],
+                           (gamma,), varying + [(t, (0,)) for t in outputs.values()])
         cache.advance(gamma + 1)
         verify_seconds = now(device) - started
 
