@@ -143,6 +143,14 @@ def test_resume_with_a_changed_config_lists_the_changes(tiny_model_dir, tmp_path
     assert _steps(out) == [0, 1, 2, 3, 4, 5]
 
 
+def test_resume_cannot_switch_how_the_decode_step_runs(tiny_model_dir, tmp_path, capsys):
+    """compile_decode changes float rounding, so a run keeps the one it started with (it was a run-free field)."""
+    out = tmp_path / "run"
+    assert main(_train(tiny_model_dir, out, 1, "--compile-decode", "false")) == 0
+    assert main(_train(tiny_model_dir, out, 2, "--resume", "--compile-decode", "auto")) == 2
+    assert "compile_decode: 'false' -> 'auto'" in _error(capsys)
+
+
 def test_a_run_saved_before_an_option_existed_resumes(tiny_model_dir, tmp_path, capsys):
     """An option added by a later version (PyramidKV's kv_beta was) is its default in an older run's config."""
     out = tmp_path / "run"

@@ -39,10 +39,11 @@ from .layout import CHECKPOINT_DIR, CONFIG_FILE, LOCK_FILE, METRICS_FILE, RUN_EN
 
 # Fields that may differ on resume without changing what the run is: its length and its logging.
 # Where the rollouts run, and how many rows run at once, do not change the data (the shards do, and
-# they are not in this set).
+# they are not in this set). How the decode step runs (compile_decode) is not free: compiled, its float sums round
+# otherwise, so a run keeps the one it started with.
 RUN_FREE_FIELDS = frozenset({"steps", "out", "checkpoint_every", "keep_checkpoints", "eval_every",
                              "log_with", "threads", "ray_address", "rollout_timeout", "worker_gpus", "worker_cpus",
-                             "rollout_backend", "rollout_kv_memory", "max_concurrent_rows", "compile_decode"})
+                             "rollout_backend", "rollout_kv_memory", "max_concurrent_rows"})
 Resume = Literal["never", "must", "auto"]
 # The lock files this process holds. An flock belongs to the open file, which a fork shares: a child
 # that kept its copy would keep the lock for as long as it lives.

@@ -18,14 +18,20 @@ mask provider with the KV policies' windows and masses (`rollout_attention.Rollo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # a type only: step.py imports this module
-    from .step import RowState
-
 Varying = list[tuple[torch.Tensor, tuple[int, ...]]]
+
+
+class FedRows(Protocol):
+    """What a participant reads of the rows a step feeds (`step.RowState`, which step.py defines: naming it here
+    would import step.py, which imports this module): each row's column in the left-padded layout and whether the
+    token it feeds is real, `[N]` each."""
+
+    columns: torch.Tensor
+    fed_real: torch.Tensor
 
 
 class StepParticipant(Protocol):
@@ -45,7 +51,7 @@ class StepParticipant(Protocol):
         """Each tensor of this participant with the dims of it that may change size within a run."""
         ...
 
-    def begin_step(self, rows: RowState) -> None:
+    def begin_step(self, rows: FedRows) -> None:
         """Before the step's forward, which feeds one token per row of `rows`."""
         ...
 
