@@ -21,6 +21,7 @@ import os
 import socket
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +39,21 @@ log = logging.getLogger(__name__)
 MAX_SHARD_ATTEMPTS = 3  # a shard that kills this many workers in a row is a bug, not bad luck
 POLL_SECONDS = 0.5
 START_SECONDS = 120  # beyond rollout_timeout, for a worker to import torch and build its model
+
+
+@dataclass
+class _Flight:
+    """One step's shards in flight on the workers: waiting, running (ref -> worker index, shard, submitted at),
+    sampled (by shard index, with each round trip's seconds), and the workers free to take one."""
+
+    pending: collections.deque
+    idle: list[int]
+    running: dict = field(default_factory=dict)
+    results: dict[int, ShardResult] = field(default_factory=dict)
+    round_trips: dict[int, float] = field(default_factory=dict)
+    failures: collections.Counter = field(default_factory=collections.Counter)
+    retries: int = 0
+    timeouts: int = 0
 
 
 def import_ray():
@@ -197,61 +213,67 @@ class RayRollouts:
         self.push_seconds = time.perf_counter() - started
 
     def generate(self, shards: list[Shard], sampling: SamplingConfig, spec: SamplerSpec) -> StepRollouts:
-        ray = self.ray
         started = time.perf_counter()
-        pending = collections.deque(shards)
-        idle = list(range(len(self.workers)))
-        running = {}  # ref -> (worker index, shard, submitted at)
-        results: dict[int, ShardResult] = {}
-        round_trips: dict[int, float] = {}
-        failures = collections.Counter()
-        retries = timeouts = 0
-        while pending or running:
-            for index in self._started(idle) if pending else []:
-                if not pending:
-                    break
-                idle.remove(index)
-                shard = pending.popleft()
-                ref = self.workers[index].generate.remote(self.version, [self.weights], shard, sampling, spec)
-                running[ref] = (index, shard, time.perf_counter())
-            starting = [self.ready[i][0] for i in idle] if pending else []
-            ready, _ = ray.wait(list(running) + starting, num_returns=1, timeout=POLL_SECONDS)
-            ready = [ref for ref in ready if ref in running]
-            for ref in ready:
-                index, shard, submitted = running.pop(ref)
-                try:
-                    result = ray.get(ref)
-                except ray.exceptions.RayTaskError as error:  # the sampling code raised: not a lost worker
-                    raise error.as_instanceof_cause() from None
-                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                        ray.exceptions.ObjectLostError) as error:
-                    self._retry(index, shard, pending, failures, f"worker lost ({type(error).__name__})")
-                    idle.append(index)
-                    retries += 1
-                    continue
-                if result.version != self.version:
-                    raise RuntimeError(f"shard {shard.index} came back sampled with weights v{result.version}, "
-                                       f"the driver's are v{self.version}; this is a bug")
-                results[shard.index] = result
-                round_trips[shard.index] = time.perf_counter() - submitted
-                idle.append(index)
-            now = time.perf_counter()
-            for ref, (index, shard, submitted) in list(running.items()):
-                if now - submitted > self.timeout:
-                    running.pop(ref)
-                    self._retry(index, shard, pending, failures, f"no answer in {self.timeout:g} s (--rollout-timeout)")
-                    idle.append(index)
-                    retries += 1
-                    timeouts += 1
-        ordered = [results[s.index] for s in shards]
-        transfer = [round_trips[r.index] - r.compute_seconds - r.weight_load_seconds for r in ordered]
+        flight = _Flight(pending=collections.deque(shards), idle=list(range(len(self.workers))))
+        while flight.pending or flight.running:
+            self._submit(flight, sampling, spec)
+            starting = [self.ready[i][0] for i in flight.idle] if flight.pending else []
+            ready, _ = self.ray.wait(list(flight.running) + starting, num_returns=1, timeout=POLL_SECONDS)
+            for ref in [ref for ref in ready if ref in flight.running]:
+                self._collect(flight, ref)
+            self._expire(flight)
+        ordered = [flight.results[s.index] for s in shards]
+        transfer = [flight.round_trips[r.index] - r.compute_seconds - r.weight_load_seconds for r in ordered]
         timings = {"weight_push_s": self.push_seconds,
                    "weight_load_s": max(r.weight_load_seconds for r in ordered),
                    "rollout_compute_s": sum(r.compute_seconds for r in ordered),
                    "rollout_transfer_s": sum(transfer) / len(transfer)}
         self.push_seconds = 0.0  # counted once, in the step that pushed
         return StepRollouts([move_to(r.batch, self.device) for r in ordered], time.perf_counter() - started,
-                            fold_stats(ordered), retries, timeouts, timings)
+                            fold_stats(ordered), flight.retries, flight.timeouts, timings)
+
+    def _submit(self, flight: _Flight, sampling: SamplingConfig, spec: SamplerSpec) -> None:
+        """Give waiting shards to the idle workers that have started."""
+        for index in self._started(flight.idle) if flight.pending else []:
+            if not flight.pending:
+                break
+            flight.idle.remove(index)
+            shard = flight.pending.popleft()
+            ref = self.workers[index].generate.remote(self.version, [self.weights], shard, sampling, spec)
+            flight.running[ref] = (index, shard, time.perf_counter())
+
+    def _collect(self, flight: _Flight, ref) -> None:
+        """Take a finished shard's result, or give the shard to another worker if its worker was lost."""
+        ray = self.ray
+        index, shard, submitted = flight.running.pop(ref)
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayTaskError as error:  # the sampling code raised: not a lost worker
+            raise error.as_instanceof_cause() from None
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.ObjectLostError) as error:
+            self._retry(index, shard, flight.pending, flight.failures, f"worker lost ({type(error).__name__})")
+            flight.idle.append(index)
+            flight.retries += 1
+            return
+        if result.version != self.version:
+            raise RuntimeError(f"shard {shard.index} came back sampled with weights v{result.version}, "
+                               f"the driver's are v{self.version}; this is a bug")
+        flight.results[shard.index] = result
+        flight.round_trips[shard.index] = time.perf_counter() - submitted
+        flight.idle.append(index)
+
+    def _expire(self, flight: _Flight) -> None:
+        """Replace the workers that held a shard past `--rollout-timeout`, and sample their shards again."""
+        now_s = time.perf_counter()
+        for ref, (index, shard, submitted) in list(flight.running.items()):
+            if now_s - submitted > self.timeout:
+                flight.running.pop(ref)
+                self._retry(index, shard, flight.pending, flight.failures,
+                            f"no answer in {self.timeout:g} s (--rollout-timeout)")
+                flight.idle.append(index)
+                flight.retries += 1
+                flight.timeouts += 1
 
     def _retry(self, index: int, shard: Shard, pending: collections.deque, failures: collections.Counter,
                reason: str) -> None:
