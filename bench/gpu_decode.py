@@ -35,7 +35,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from common import qwen_shape
+from transformers import AutoModelForCausalLM
 
 from sparserl.model.clock import HostReads
 from sparserl.model.forward import batched_logprobs
@@ -60,15 +61,10 @@ class Bench:
         self.started = time.time()
         self.out = Path(args.out).open("a")
         self.records: list[dict] = []
+        self.config = qwen_shape(args.small)
         if args.small:
-            self.config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=True)
             self.cells, self.equal, self.dtype = [(256, 4), (512, 8)], (256, 8, 16), torch.float32
         else:
-            self.config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                                      num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                      max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True)
             self.cells, self.equal, self.dtype = [(4096, 64), (4096, 512), (8192, 256)], (4096, 512, 2048), \
                 torch.bfloat16
         with torch.device(self.device):

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from common import qwen_shape
+from transformers import AutoModelForCausalLM
 
 from sparserl.config.corrections import CorrectionConfig
 from sparserl.config.schema import TrainConfig
@@ -78,16 +79,8 @@ class Bench:
         self.started = time.time()
         self.out = Path(args.out).open("a")
         self.records: list[dict] = []
-        if args.small:
-            self.config = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                      tie_word_embeddings=True)
-            self.regime, self.dtype = SMALL, torch.float32
-        else:
-            self.config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                                      num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                      max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True)
-            self.regime, self.dtype = PAPER, torch.bfloat16
+        self.config = qwen_shape(args.small)
+        self.regime, self.dtype = (SMALL, torch.float32) if args.small else (PAPER, torch.bfloat16)
         torch.manual_seed(0)
         with torch.device(self.device):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype).eval()
@@ -203,7 +196,7 @@ class Bench:
         generator = torch.Generator(device=self.device).manual_seed(0)
         phase("update", lambda: ppo_update(self.model, optimizer, batch, logp_old, None, advantages,
                                            corrections.weights, corrections.keep_mask, generator, train, 1.0))
-        del optimizer
+        optimizer = None  # its states freed before the next step's rollout
         total = sum(phases.values())
         yield {"what": "grpo-step", "mode": mode, "rows": len(rows), "tokens": int(batch.response_lengths.sum()),
                "step_s": total, **{f"{name}_s": seconds for name, seconds in phases.items()},

@@ -40,8 +40,25 @@ MODES = ("eager", "compile", "graphs", "compiled-graphs")
 _COMPILED_STEPS: dict[Callable, Callable] = {}
 
 
+class _AdvancedState:
+    """A step participant (`participants.py`) whose every tensor field the step advances (restored after a capture's
+    warm-up), with no buffers, no key and nothing to set up before a step: the rows and the outputs."""
+
+    def step_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def step_state(self) -> list[torch.Tensor]:
+        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
+
+    def step_key(self) -> tuple:
+        return ()
+
+    def begin_step(self, rows: RowState) -> None:
+        pass
+
+
 @dataclass
-class RowState:
+class RowState(_AdvancedState):
     """The batch rows, as the static step reads them and leaves them for the next step, `[N]` each.
 
     tokens: the token each row feeds next (the last one drawn); fed_real: whether it is a real token (its row was
@@ -69,20 +86,8 @@ class RowState:
                            torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)})
 
     # --- a step participant (`participants.py`) ---
-    def step_buffers(self) -> list[torch.Tensor]:
-        return []
-
-    def step_state(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
-
-    def step_key(self) -> tuple:
-        return ()
-
     def varying_dims(self) -> Varying:
         return [(t, (0,)) for t in self.step_state()]
-
-    def begin_step(self, rows: RowState) -> None:
-        pass
 
     def end_step(self) -> None:
         """The token drawn goes one position and one column further than the one fed."""
@@ -91,7 +96,7 @@ class RowState:
 
 
 @dataclass
-class Responses:
+class Responses(_AdvancedState):
     """What a rollout records per request (Q requests, T = max_new_tokens): the tokens `[Q, T]`, their log-probs
     `[Q, T]`, the response lengths `[Q]`, whether a request ended at EOS `[Q]`, whether it is still sampling `[Q]`,
     the real tokens fed to its cache, prompt included `[Q]`, and, when kept, each step's whole processed
@@ -106,20 +111,8 @@ class Responses:
     distributions: torch.Tensor | None = None
 
     # --- a step participant (`participants.py`): Q and T change between rollouts (an evaluation's chunks) ---
-    def step_buffers(self) -> list[torch.Tensor]:
-        return []
-
-    def step_state(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
-
-    def step_key(self) -> tuple:
-        return ()
-
     def varying_dims(self) -> Varying:
         return [(t, (0, 1) if t.dim() > 1 else (0,)) for t in self.step_state()]
-
-    def begin_step(self, rows: RowState) -> None:
-        pass
 
     def end_step(self) -> None:
         pass
