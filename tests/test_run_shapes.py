@@ -201,7 +201,7 @@ def test_the_participants_declare_every_dim_that_changes_within_a_rollout(tiny, 
     assert changed  # rows left and joined, the cache grew: something did change
 
 
-def test_a_fallback_lasts_the_run_and_the_metrics_say_so(tiny, monkeypatch):
+def test_a_fallback_lasts_the_run_and_the_metrics_say_so(tiny):
     """Past dynamo's limit of compilations (1 here: one row left of two is a second compilation, a size of one being
     specialised), the step runs eagerly for the rest of the run: the runner warns once, the rollout that fell back
     counts it in its `KVStats`, and the next rollout, still eager, compiles nothing and samples the eager tokens."""
@@ -216,11 +216,12 @@ def test_a_fallback_lasts_the_run_and_the_metrics_say_so(tiny, monkeypatch):
         return sampler.generate(prompts, sampling, seeds=seeds, max_rows=2)
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    # config.patch, not monkeypatch: monkeypatch's undo left dynamo's config without the field for the next tests.
     try:
-        with pytest.warns(RuntimeWarning, match="the rest of this run's steps run eagerly"):
-            fell_back = sample("true").kv
-        after = sample("true")
+        with torch._dynamo.config.patch(recompile_limit=1):
+            with pytest.warns(RuntimeWarning, match="the rest of this run's steps run eagerly"):
+                fell_back = sample("true").kv
+            after = sample("true")
     finally:
         torch._dynamo.reset()
     assert fell_back.step_fallbacks == 1 and after.kv.step_fallbacks == after.kv.step_compilations == 0
