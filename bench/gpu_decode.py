@@ -28,14 +28,10 @@ the cells whose name matches (names as "rkv 4096x512", "equal memory", "hf gener
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import time
-import traceback
-from pathlib import Path
 
 import torch
-from common import qwen_shape
+from common import Recorder, qwen_shape
 from transformers import AutoModelForCausalLM
 
 from sparserl.model.clock import HostReads
@@ -53,14 +49,10 @@ METHODS = ("dense", "rkv", "snapkv", "block", "spec-window", "spec-block")
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, by the card's name
 
 
-class Bench:
+class Bench(Recorder):
     def __init__(self, args):
+        super().__init__(args.out, torch.device(args.device), args.deadline, args.only)
         self.args = args
-        self.device = torch.device(args.device)
-        self.cuda = self.device.type == "cuda"
-        self.started = time.time()
-        self.out = Path(args.out).open("a")
-        self.records: list[dict] = []
         self.config = qwen_shape(args.small)
         if args.small:
             self.cells, self.equal, self.dtype = [(256, 4), (512, 8)], (256, 8, 16), torch.float32
@@ -79,20 +71,6 @@ class Bench:
                    "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_per_token,
                    "bandwidth_assumed": self.bandwidth, "compile_decode": args.compile_decode,
                    "warm_runs": args.warm_runs})
-
-    def emit(self, record: dict) -> None:
-        record["t"] = round(time.time() - self.started, 1)
-        self.records.append(record)
-        self.out.write(json.dumps(record) + "\n")
-        self.out.flush()
-        print(json.dumps(record), flush=True)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def late(self) -> bool:
-        return time.time() - self.started > self.args.deadline
 
     # --- a cell -----------------------------------------------------------------------------------------
     def sampler(self, method: str, budget: int, interval: int):
@@ -139,8 +117,7 @@ class Bench:
         sampler = self.sampler(method, budget, interval)
         for _ in range(self.args.warm_runs):  # compilations and captures of every shape the timed run meets
             sampler.generate([prompt] * rows, sampling, seeds=seeds)
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.reset_peak()
         self.sync()
         started = time.perf_counter()
         batch = sampler.generate([prompt] * rows, sampling, seeds=seeds, on_step=on_step)
@@ -179,25 +156,11 @@ class Bench:
         record["tok_s"] = record["tokens"] / record["decode_s"]
         record["kv_peak_gib"] = batch.kv.kv_peak_bytes / 2**30
         if self.cuda:
-            record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["gpu_peak_gib"] = self.peak_gib()
         del batch, sampler
         if self.cuda:
             torch.cuda.empty_cache()
         return record
-
-    def guarded(self, what: str, run) -> None:
-        if self.args.only and not re.search(self.args.only, what):
-            return
-        if self.late():
-            self.emit({"what": "skipped", "which": what})
-            return
-        try:
-            self.emit(run())
-        except Exception as error:  # noqa: BLE001 - a failed cell is a result; the next cells still run
-            self.emit({"what": "error", "which": what, "error": repr(error)[:500],
-                       "trace": traceback.format_exc()[-1500:]})
-            if self.cuda:
-                torch.cuda.empty_cache()
 
     # --- the peers and the baseline -----------------------------------------------------------------------
     def hf_generate(self, length: int, rows: int) -> dict:
@@ -244,18 +207,18 @@ class Bench:
         with torch.no_grad():
             for length, rows in self.cells:
                 for method in METHODS:
-                    self.guarded(f"{method} {length}x{rows}", lambda: self.cell(method, length, rows))
+                    self.guarded(f"{method} {length}x{rows}", lambda: [self.cell(method, length, rows)])
             length, dense_rows, rkv_rows = self.equal
 
-            def equal_memory() -> dict:
+            def equal_memory() -> list[dict]:
                 record = self.cell("rkv", length, rkv_rows, prompt_len=2 * (length // 8))
                 record.update(what="equal-memory", dense_rows=dense_rows)
-                return record
+                return [record]
 
             self.guarded("equal memory", equal_memory)
-            self.guarded("hf generate", lambda: self.hf_generate(*self.cells[0]))
+            self.guarded("hf generate", lambda: [self.hf_generate(*self.cells[0])])
             for dtype in (self.dtype, torch.float32):
-                self.guarded(f"xi {dtype}", lambda: self.xi_baseline(dtype))
+                self.guarded(f"xi {dtype}", lambda: [self.xi_baseline(dtype)])
         self.emit({"what": "done"})
         print(table(self.records))
 

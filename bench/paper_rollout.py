@@ -28,15 +28,11 @@ said so.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import time
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from common import qwen_shape
+from common import Recorder, qwen_shape
 from transformers import AutoModelForCausalLM
 
 from sparserl.config.corrections import CorrectionConfig
@@ -71,14 +67,10 @@ PAPER = Regime(prompt=256, new=4096, budget=512, interval=128)
 SMALL = Regime(prompt=32, new=192, budget=48, interval=16)
 
 
-class Bench:
+class Bench(Recorder):
     def __init__(self, args):
+        super().__init__(args.out, torch.device(args.device), args.deadline, args.only)
         self.args = args
-        self.device = torch.device(args.device)
-        self.cuda = self.device.type == "cuda"
-        self.started = time.time()
-        self.out = Path(args.out).open("a")
-        self.records: list[dict] = []
         self.config = qwen_shape(args.small)
         self.regime, self.dtype = (SMALL, torch.float32) if args.small else (PAPER, torch.bfloat16)
         torch.manual_seed(0)
@@ -89,39 +81,6 @@ class Bench:
         self.emit({"what": "setup", "device": name, "torch": torch.__version__, "dtype": str(self.dtype),
                    "regime": vars(self.regime), "prompts": args.prompts, "group": GROUP,
                    "compile_decode": args.compile_decode})
-
-    def emit(self, record: dict) -> None:
-        record["t"] = round(time.time() - self.started, 1)
-        self.records.append(record)
-        self.out.write(json.dumps(record) + "\n")
-        self.out.flush()
-        print(json.dumps(record), flush=True)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def peak_gib(self) -> float | None:
-        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def guarded(self, what: str, run) -> None:
-        if self.args.only and not re.search(self.args.only, what):
-            return
-        if time.time() - self.started > self.args.deadline:
-            self.emit({"what": "skipped", "which": what})
-            return
-        try:
-            for record in run():
-                self.emit(record)
-        except Exception as error:  # noqa: BLE001 - a failed cell is a result; the next cells still run
-            self.emit({"what": "error", "which": what, "error": repr(error)[:500],
-                       "trace": traceback.format_exc()[-1500:]})
-        if self.cuda:
-            torch.cuda.empty_cache()
 
     # --- the pieces ---------------------------------------------------------------------------------------
     def prompts(self, count: int) -> tuple[list[list[int]], list[int]]:

@@ -97,12 +97,12 @@ def replay_logprobs(model, batch, rows=None, share_prompts: bool = False) -> tor
     """Sparse-sampler log-probs `[n, T]` of `batch`'s responses, rebuilt by one forward under the
     replay masks: what every exact-replay test compares with the recorded ones."""
     from sparserl.model.forward import hidden_logprobs, response_hidden
-    from sparserl.rollout.sparsity.replay import sampler_masks
+    from sparserl.rollout.sparsity.replay import sampler_replay
 
     rows = slice(None) if rows is None else rows
     ids, width = batch.input_ids[rows], batch.prompt_ids.shape[1]
     hidden = response_hidden(model, ids, batch.attention_mask[rows], width, share_prompts,
-                             masks=sampler_masks(model, batch, rows))
+                             masks=sampler_replay(model, batch, rows))
     return hidden_logprobs(model, hidden, ids[:, width:])[0]
 
 

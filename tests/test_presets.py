@@ -21,6 +21,7 @@ EXPECTED = {  # mode: (sparse rollouts, fields that differ from "off")
     "k3-rs": (True, dict(seq_k3_max=0.1)),
     "seq-mask-tis": (True, dict(seq_geo_bounds=(0.905, 1.105), is_mode="truncate", is_cap=2.0)),
     "prefix-veto-tis": (True, dict(veto_threshold=1e-4, veto_scope="prefix", **TIS)),
+    "sparse-learner": (True, {}),  # the learner through the sampler's attention: nothing to correct
 }
 
 

@@ -41,7 +41,7 @@ def test_sweep_marks_a_huge_budget_as_dense(tmp_path, capsys):
     assert huge["kv_saved"] == 0.0 and small["kv_saved"] > 0 and small["kv_kept_frac"] < 1
     assert small["kv_saved"] == pytest.approx(1 - small["kv_peak_bytes"] / dense_peak)
     assert result["paper_regime_budget"] == 4096
-    assert (tmp_path / "sweep.md").read_text().count("\n| ") == 3
+    assert (tmp_path / "sweep.md").read_text().count("\n| ") == 4  # header, the dense baseline, two budgets
     assert "Paper regime: B = 4096" in capsys.readouterr().out
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config.corrections import CorrectionConfig
-from .config.presets import correction_for
+from .config.presets import dense_learner_correction
 from .learner.corrections import Corrections, compute_corrections
 
 
@@ -41,15 +41,17 @@ def corrections_from_trl(batch: Mapping, correction: CorrectionConfig | str = "s
 
     Tensors are [B, T] over the completion tokens; `old` overrides `old_per_token_logps`.
     """
+    config = dense_learner_correction(correction, "TRL's GRPOTrainer")
     logp_old = old if old is not None else _take(batch, "old_per_token_logps", "TRL")
     return compute_corrections(logp_old, _take(batch, "sampling_per_token_logps", "TRL"),
-                               _take(batch, "completion_mask", "TRL"), correction_for(correction))
+                               _take(batch, "completion_mask", "TRL"), config)
 
 
 def corrections_from_verl(batch: Mapping, correction: CorrectionConfig | str = "sparse-tis") -> Corrections:
     """Corrections for a verl batch (`DataProto.batch`, or any mapping with its keys); [B, T] tensors."""
+    config = dense_learner_correction(correction, "verl")
     return compute_corrections(_take(batch, "old_log_probs", "verl"), _take(batch, "rollout_log_probs", "verl"),
-                               _take(batch, "response_mask", "verl"), correction_for(correction))
+                               _take(batch, "response_mask", "verl"), config)
 
 
 # --------------------------------------------------------------------------------- verl's settings
@@ -73,7 +75,7 @@ def verl_rollout_correction(correction: CorrectionConfig | str) -> VerlSettings:
     guard `seq_max_k2` at (ln 1/τ)² / 2, which rejects a sequence holding a token with ξ < τ, as the veto does,
     and also one holding a token with ξ > 1/τ, which ours keeps.
     """
-    config = correction_for(correction)
+    config = dense_learner_correction(correction, "verl")
     mapped = _Mapped({"bypass_mode": False, "rollout_is": None, "rollout_rs": None})
     if config.is_mode != "none":
         _map_weights(config, mapped)

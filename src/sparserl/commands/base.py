@@ -65,11 +65,13 @@ def settings_arguments(sub: argparse.ArgumentParser, settings_class: type, prefi
 
 def inference_fields(*rollout: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The config flags of an inference command: the model and the task sections, the seed, the sparse sampler's
-    settings and the limits on rows in flight (`config.schema`), the rollout fields `rollout` it also reads, less
-    `skip`. None of training's, Ray's, the speculative sampler's or an adaptive schedule's."""
-    from ..config.schema import DECODE_FIELDS, SPARSITY_FIELDS
+    settings and its KV storage (`kv_dtype`), the limits on rows in flight (`config.schema`), the rollout fields
+    `rollout` it also reads, less `skip`. None of training's, Ray's, the speculative sampler's or an adaptive
+    schedule's."""
+    from ..config.schema import DECODE_FIELDS, KV_STORAGE_FIELDS, SPARSITY_FIELDS
 
-    return tuple(f for f in ("model", "task", "seed", *SPARSITY_FIELDS, *DECODE_FIELDS, *rollout) if f not in skip)
+    return tuple(f for f in ("model", "task", "seed", *SPARSITY_FIELDS, *KV_STORAGE_FIELDS, *DECODE_FIELDS, *rollout)
+                 if f not in skip)
 
 
 def inference_arguments(sub, out_help: str, fields: tuple[str, ...]) -> None:

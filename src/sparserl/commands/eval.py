@@ -34,9 +34,9 @@ def _arguments(sub) -> None:
 
 
 def _chosen_inference(args, overrides: dict) -> str:
-    """The inference `--inference` asks for (when not given: sparse if a --kv-* flag is typed, else dense), after
-    refusing the flags dense inference would not read: a whole cache keeps no budget, and α compares a sparse
-    sampler with the dense model."""
+    """The inference `--inference` asks for (when not given: sparse if a --kv-* flag is typed, --kv-dtype included,
+    else dense), after refusing the flags dense inference would not read: a whole cache in the model's dtype keeps no
+    budget and stores nothing quantized, and α compares a sparse sampler with the dense model."""
     from ..errors import ConfigError
 
     typed_kv = [k for k in overrides if k.startswith("kv_")]

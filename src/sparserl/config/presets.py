@@ -5,11 +5,19 @@
     name: my-geo-rs              # what compare and the report call it (default: the file's stem)
     base: geo-rs                 # optional: start from a built-in preset
     sparse_rollouts: true        # optional when `base` is given
+    learner_attention: dense     # optional: dense (the default) or sampler (see below)
     correction: {seq_geo_bounds: [0.8, 1.25], is_mode: truncate}
 
 The preset sets every correction field; a field given in the config file or on the command line
 (`--veto-threshold`, `--band`, ...) overrides it. `sparse-rl` is the reference and stays as the
 paper has it; the `sparrow` preset carries the recommended correction (docs/results.md).
+
+A preset also says what the learner's forwards attend to (`learner_attention`): "dense", the plain causal
+forward (π_old, π_θ and π_ref of the full context; the sampler's mismatch is what the corrections correct), or
+"sampler", the sparse sampler's own attention by its exact replay (`sparse-learner`, after awslabs' keys_values,
+which runs GRPO through an H2O cache in the rollout and the learner alike): the loss's ratio then starts at 1 and
+the model is trained for the sparse inference it samples with, so such a preset needs sparse rollouts and corrects
+nothing.
 """
 
 from __future__ import annotations
@@ -19,13 +27,20 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from ..errors import ConfigError
 from .corrections import CorrectionConfig
 from .values import coerce
+
+
+LEARNER_ATTENTIONS = ("dense", "sampler")
+
+
+class PresetError(ConfigError):
+    pass
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,33 @@ class Preset:
     # (Sparse-RL as its paper runs it), recommended (our choice of correction); "" for the others.
     role: str = ""
     compared_by_default: bool = False  # one of `sparserl compare`'s default --modes
+    # What π_old, π_θ (the loss and its gradient) and π_ref attend to: "dense" (the full context) or "sampler" (the
+    # sparse sampler's replayed attention: the loss's ratio starts at 1, `learner.sampler_forward`).
+    learner_attention: Literal["dense", "sampler"] = "dense"
+
+    def __post_init__(self) -> None:
+        if self.learner_attention not in LEARNER_ATTENTIONS:
+            raise PresetError(f"mode {self.name}: learner_attention must be dense or sampler, "
+                              f"got {self.learner_attention!r}")
+        if self.learner_attention == "sampler" and not self.sparse_rollouts:
+            raise PresetError(f"mode {self.name}: learner_attention sampler trains through the sparse sampler's "
+                              "attention, and dense rollouts have none: set sparse_rollouts: true")
+        if self.learner_attention == "sampler":
+            refuse_corrections(self.name, self.correction)
+
+
+def corrects(correction: CorrectionConfig) -> bool:
+    """Whether `correction` acts at all: some filter on, or importance weights other than ones."""
+    filters = (correction.veto_threshold, correction.band, correction.seq_geo_bounds, correction.seq_k3_max,
+               correction.seq_log_ratio_max)
+    return any(f is not None for f in filters) or correction.is_mode != "none"
+
+
+def refuse_corrections(mode: str, correction: CorrectionConfig) -> None:
+    """A mode whose learner attends as the sampler did has no sampler/learner mismatch to filter or weight."""
+    if corrects(correction):
+        raise PresetError(f"mode {mode} trains through the sampler's attention, so its loss's ratio is 1 and there is "
+                          f"nothing to correct; drop the correction ({describe(correction)})")
 
 
 def _builtin(name: str, sparse: bool, make: Callable[[], CorrectionConfig], summary: str, colour: str,
@@ -71,17 +113,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
              "OpenRLHF/NeMo-RL seq-mask-tis: geometric-mean sequence mask plus token TIS", "#bcbd22"),
     _builtin("prefix-veto-tis", True, CorrectionConfig.prefix_veto_tis,
              "Sparse-RL's TIS with a prefix veto: mask from the first ξ < 1e-4 onward", "#17becf"),
+    _builtin("sparse-learner", True, CorrectionConfig.off,
+             "the learner trains through the sampler's attention (π_old, π_θ and π_ref by its exact replay): the "
+             "loss's ratio is 1, nothing to correct; the idea of awslabs' keys_values (H2O in rollout and learner)",
+             "#393b79", learner_attention="sampler"),
 )}
 RECOMMENDED = mode_with_role("recommended")
 PRESETS["sparrow"] = Preset("sparrow", True, PRESETS[RECOMMENDED].correction,
                             f"scheduled sparse rollouts (--kv-schedule) with the recommended correction ({RECOMMENDED})",
                             needs_schedule=True, colour="#8c564b")
 DEFAULT_COMPARE = tuple(name for name, preset in PRESETS.items() if preset.compared_by_default)
-
-
-
-class PresetError(ConfigError):
-    pass
 
 
 def load_preset(mode: str) -> Preset:
@@ -97,16 +138,21 @@ def load_preset(mode: str) -> Preset:
     if parent is None and "sparse_rollouts" not in data:
         raise PresetError(f"preset file {path}: set sparse_rollouts (true/false) or a base preset")
     overrides = _correction_fields(data, path)
-    sparse = data.get("sparse_rollouts", parent.sparse_rollouts if parent else None)
+    inherited = parent or Preset("", False, CorrectionConfig.off(), "")  # what a file without a base starts from
+    sparse = data.get("sparse_rollouts", inherited.sparse_rollouts)
     if not isinstance(sparse, bool):
         raise PresetError(f"preset file {path}: sparse_rollouts must be true or false, got {sparse!r}")
     try:
-        correction = with_fields(parent.correction if parent else CorrectionConfig.off(), overrides)
+        correction = with_fields(inherited.correction, overrides)
     except ConfigError as error:
         raise PresetError(f"preset file {path}: correction: {error}") from None
-    return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse, correction=correction,
-                  summary=str(data.get("summary", f"user preset from {path}")),
-                  needs_schedule=parent.needs_schedule if parent else False)
+    try:
+        return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse, correction=correction,
+                      summary=str(data.get("summary", f"user preset from {path}")),
+                      needs_schedule=inherited.needs_schedule,
+                      learner_attention=data.get("learner_attention", inherited.learner_attention))
+    except PresetError as error:
+        raise PresetError(f"preset file {path}: {error}") from None
 
 
 def _preset_file(mode: str, path: Path) -> dict:
@@ -121,10 +167,10 @@ def _preset_file(mode: str, path: Path) -> dict:
         raise PresetError(f"preset file {path} is not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise PresetError(f"preset file {path} must hold a mapping (name, base, sparse_rollouts, correction)")
-    unknown = set(data) - {"name", "base", "sparse_rollouts", "correction", "summary"}
+    unknown = set(data) - {"name", "base", "sparse_rollouts", "learner_attention", "correction", "summary"}
     if unknown:
         raise PresetError(f"preset file {path}: unknown keys {', '.join(sorted(unknown))}; "
-                          "allowed: name, base, sparse_rollouts, correction, summary")
+                          "allowed: name, base, sparse_rollouts, learner_attention, correction, summary")
     return data
 
 
@@ -154,7 +200,35 @@ def correction_for(mode: str | CorrectionConfig, fields: dict[str, Any] | None =
         if fields:
             raise ValueError("give either a CorrectionConfig or correction fields to set on a preset, not both")
         return mode
-    return with_fields(load_preset(mode).correction, fields or {})
+    preset = load_preset(mode)
+    correction = with_fields(preset.correction, fields or {})
+    if preset.learner_attention == "sampler":
+        refuse_corrections(preset.name, correction)
+    return correction
+
+
+def dense_learner_correction(mode: str | CorrectionConfig, trainer: str) -> CorrectionConfig:
+    """`correction_for(mode)` for another library's trainer (`trainer`), whose loss takes its own dense forward: a
+    mode that trains through the sampler's attention cannot be honoured there, and is refused in one line."""
+    if not isinstance(mode, CorrectionConfig) and load_preset(mode).learner_attention == "sampler":
+        raise PresetError(f"{trainer} cannot run mode {preset_name(mode)}: it trains through the sampler's attention, "
+                          f"and {trainer}'s loss takes its own dense forward; use `sparserl train --mode {mode}`")
+    return correction_for(mode)
+
+
+def check_learner_attention(config) -> None:
+    """Refuse in one line a run (an `ExperimentConfig`, read by field names) whose mode trains through the sampler's
+    attention where there is none to train through, or where a second sampler would hide it."""
+    preset = load_preset(config.train.mode)
+    if preset.learner_attention != "sampler":
+        return
+    if config.rollout.speculative:
+        raise ConfigError(f"mode {preset.name} trains through the sparse sampler's attention, and --speculative true "
+                          "samples exactly from the dense policy (no mismatch, no sparse attention): drop one")
+    if config.train.distill_sparse:
+        raise ConfigError(f"mode {preset.name} trains the policy itself through the sparse sampler's attention; "
+                          "--distill-sparse would sample with an adapter the learner does not see: drop one")
+    refuse_corrections(preset.name, config.correction)
 
 
 def preset_name(mode: str) -> str:
@@ -186,5 +260,7 @@ def presets_table() -> str:
     rows = ["| mode | rollouts | corrections | what it is |", "|---|---|---|---|"]
     for preset in PRESETS.values():
         rollouts = "sparse, scheduled" if preset.needs_schedule else "sparse" if preset.sparse_rollouts else "dense"
+        if preset.learner_attention == "sampler":
+            rollouts += "; learner through the same attention"
         rows.append(f"| `{preset.name}` | {rollouts} | {describe(preset.correction)} | {preset.summary} |")
     return "\n".join(rows)

@@ -71,6 +71,7 @@ class RolloutConfig:
     calibration_prompts: int = 16  # train prompts per recalibration (drawn with the step's seed)
     calibration_samples: int = 4  # sampled rollouts per calibration prompt
     kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
+    kv_dtype: Literal["auto", "fp8", "int8"] = "auto"  # how the rollout's KV cache stores keys and values, alone or under any KV policy: auto (the model's dtype), fp8 (e4m3, a scale per layer and KV head fixed per rollout from the prompt) or int8 (KIVI: keys per channel, values per token); 1 byte an element, half a bf16 cache. The batch records its scales, so the learner's replay (alpha, DistillSparse) stays exact; not with block sparsity or speculative rollouts
     sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
@@ -102,6 +103,9 @@ RolloutConfig.__module__ = __name__
 SPARSITY_FIELDS = ("sparsity", "kv_policy", "kv_budget", "kv_window", "kv_interval", "kv_schedule", "kv_per_head",
                    "block_page_size", "block_dense_layers", *policy_options())
 DECODE_FIELDS = ("rollout_kv_memory", "max_concurrent_rows", "compile_decode")
+# How the rollout's cache stores keys and values (a quantized cache changes what is sampled): read by training, the
+# TRL integration and the inference commands (eval's and calibrate's sparse sampler; sweep tries a list of them).
+KV_STORAGE_FIELDS = ("kv_dtype",)
 SPECULATIVE_FIELDS = ("speculative", "speculative_draft", "draft_tokens")
 
 

@@ -66,6 +66,7 @@ def validate(config) -> None:
     _validate_recalibration(config.rollout)
     _validate_block(config.rollout)
     _validate_speculative(config)
+    _validate_kv_dtype(config.rollout)
     _validate_workers(config.rollout)
     if config.train.distill_sparse and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"--distill-sparse needs sparse rollouts; mode {config.train.mode} samples densely")
@@ -139,6 +140,27 @@ def _validate_speculative(config) -> None:
     if rollout.speculative_draft == "block" and rollout.kv_budget < always:
         raise ConfigError(f"--speculative true drafts with block attention: kv_budget ({rollout.kv_budget}) must "
                           f"cover the first and the 2 most recent pages, at least {always} tokens")
+
+
+def _validate_kv_dtype(rollout) -> None:
+    """A quantized cache runs alone or under any KV policy; block attention and the speculative sampler read the
+    cache unquantized, and fp8 needs a torch with float8 dtypes."""
+    from ..rollout.quantization import FORMATS, KV_DTYPES
+
+    kv_dtype = rollout.kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype {kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPES)}")
+    if kv_dtype == "auto":
+        return
+    if kv_dtype not in FORMATS:
+        raise ConfigError(f"--kv-dtype {kv_dtype}: this torch has no float8_e4m3fn; use --kv-dtype int8 or auto, or "
+                          "install torch >= 2.1")
+    if rollout.sparsity == "block":
+        raise ConfigError(f"--kv-dtype {kv_dtype} does not combine with --sparsity block (its pages are read "
+                          "unquantized); use --sparsity eviction or --kv-dtype auto")
+    if rollout.speculative:
+        raise ConfigError(f"--kv-dtype {kv_dtype} does not combine with --speculative true (the dense verification "
+                          "reads the cache unquantized); use --speculative false or --kv-dtype auto")
 
 
 def _validate_workers(rollout) -> None:

@@ -44,7 +44,8 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
     setup = held_out(config, n)
     model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
     compression = sparsity_from_config(config.rollout)
-    engine = RolloutEngine(model, compression, record_evictions=True)
+    # The sparse sampler as training runs it: its KV policy and its KV storage (a quantized cache, `kv_dtype`).
+    engine = RolloutEngine(model, compression, record_evictions=True, kv_dtype=config.rollout.kv_dtype)
     limits = setup.limits.for_inference()
     sampling = SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=0.0,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -100,7 +101,7 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
                            "letters": example.extra["letters"], "hops": example.extra["hops"]})
     kv = KVStats.merged([b.kv for b in batches], [len(b) for b in batches])
     return {**_summary(firsts, correct_values, layers, len(examples), dataclasses.asdict(compression)),
-            "kv": kv.summary(sum(b.rollout_seconds for b in batches))}
+            "kv": {"kv_dtype": kv.kv_dtype, **kv.summary(sum(b.rollout_seconds for b in batches))}}
 
 
 def _summary(firsts: list[dict], correct_values: list[int | None], layers: int, n: int, compression: dict) -> dict:

@@ -66,7 +66,8 @@ def run_calibration(config, out: Path, budgets: list[int], tau: float, bin_size:
 
 
 def _kv_figures(setup: HeldOut, config, examples, samples: int, schedule_file: Path) -> dict:
-    """Peak KV bytes on the calibration prompts, dense and under the schedule file as `--kv-schedule` reads it, and
+    """Peak KV bytes on the calibration prompts, dense (the whole cache in the model's dtype) and under the schedule
+    file as `--kv-schedule` reads it (stored as `kv_dtype` says, so a quantized cache's saving counts too), and
     KV saved: of rollouts sampled as the calibration samples them (as training does: its temperature, `samples`
     per prompt, its seed), and of greedy ones (as `eval` decodes: one per prompt), which stop sooner and may need
     no eviction at all. With the longest sequence (prompt and response tokens) the dense sampled rollouts wrote."""
@@ -74,9 +75,9 @@ def _kv_figures(setup: HeldOut, config, examples, samples: int, schedule_file: P
     figures: dict = {}
     for suffix, temperature, count in (("", config.rollout.temperature, samples), ("_greedy", 0.0, 1)):
         peaks = {}
-        for name, compression in (("dense", None), ("schedule", scheduled)):
+        for name, compression, kv_dtype in (("dense", None, "auto"), ("schedule", scheduled, config.rollout.kv_dtype)):
             done = complete(setup.model, setup.tokenizer, examples, setup.max_new_tokens, temperature, compression,
-                            limits=setup.limits, samples=count, seed=config.train.seed)
+                            limits=setup.limits, samples=count, seed=config.train.seed, kv_dtype=kv_dtype)
             peaks[name] = KVStats.merged([b.kv for b in done.batches], [len(b) for b in done.batches]).kv_peak_bytes
             if compression is None and not suffix:
                 figures["longest_sequence"] = max(int((b.prompt_lengths + b.response_lengths).max())

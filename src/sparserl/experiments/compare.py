@@ -131,7 +131,8 @@ def _extend_to(steps: int, run_dirs: list[Path]) -> None:
 
 
 def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
-    """Held-out accuracy under dense and under sparse inference, with the same budget for every mode."""
+    """Held-out accuracy under dense and under sparse inference (the run's KV policy and KV storage), with the same
+    budget for every mode."""
     config = trainer.config
     records = [r for r in read_metrics(run_dir / METRICS_FILE) if r.get("step", 0) > 0]
     result = {"mode": mode, "steps": len(records),
@@ -139,13 +140,15 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
               "rollout_seconds": sum(r.get("rollout_s", 0.0) for r in records)}
     parts = trainer.parts
     parts.model.eval()
-    # The trainer's own compression: an adaptive schedule is evaluated with the budgets it trained to.
-    for inference, compression in (("dense", None), ("sparse", parts.compression)):
+    # The trainer's own compression: an adaptive schedule is evaluated with the budgets it trained to; sparse
+    # inference also stores the cache as the run's sampler did (`kv_dtype`).
+    for inference, compression, kv_dtype in (("dense", None, "auto"),
+                                             ("sparse", parts.compression, config.rollout.kv_dtype)):
         with parts.sampler() if compression else contextlib.nullcontext():  # DistillSparse's adapter, if any
             result[inference] = evaluate_policy(parts.model, parts.tokenizer, parts.task, parts.eval_examples,
                                                 parts.max_new_tokens, compression, samples=0,
                                                 temperature=config.rollout.temperature, seed=config.train.seed,
-                                                progress=True)
+                                                progress=True, kv_dtype=kv_dtype)
     tmp = run_dir / (FINAL_EVAL_FILE + ".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(run_dir / FINAL_EVAL_FILE)

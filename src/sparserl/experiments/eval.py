@@ -1,6 +1,8 @@
 """`sparserl eval`: held-out accuracy of a model, a run or a checkpoint, under dense or sparse inference.
 
-Writes the JSON that `sparserl eval` prints: accuracy, pass@k (unbiased estimator), token counts,
+Sparse inference is the config's sampler: its KV policy (or block attention) and its KV storage (`kv_dtype`, fp8 or
+int8 quantized; a `--kv-budget` above every sequence leaves the quantization alone). Writes the JSON that
+`sparserl eval` prints: accuracy, pass@k (unbiased estimator), token counts,
 the reward failures met while scoring, the KV figures of the rollouts, and with `--inference both` the KV saved:
 1 − the sparse greedy rollouts' peak bytes / the dense ones' on the same prompts (the evaluation itself is
 `train.evaluation.evaluate_policy`).
@@ -105,7 +107,8 @@ def run_eval(config, n: int, samples: int, inference: str, measure_alpha: bool =
         part = evaluate_policy(model, tokenizer, task, examples, max_new_tokens, compression, samples,
                                config.rollout.temperature, config.train.seed, progress=True,
                                alpha_bin_size=config.rollout.alpha_bin_size, rewards=rewards, limits=setup.limits,
-                               measure_alpha=measure_alpha, answers=written)
+                               measure_alpha=measure_alpha, answers=written,
+                               kv_dtype=config.rollout.kv_dtype if mode == "sparse" else "auto")
         if answers is not None:
             answers.extend({"inference": mode, **record} for record in written)
         part.update({key: rewards.counts[key] for key in ("reward_failures", "reward_timeouts")})

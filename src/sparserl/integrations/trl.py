@@ -30,7 +30,8 @@ settings that shape only TRL's own generation (`top_p`, `top_k`, `min_p`, `repet
 ZeRO-3 and FSDP, whose sharded weights the sampler cannot run. Under `accelerate launch` the rows of every process
 draw their own seeds, and the corrections (batch normalisation included), their metrics and the sampler's figures
 are the whole generation batch's, as one process holding it computes them. Use `bf16=False` on a CPU: TRL's bf16
-autocast alone puts a dense ξ at 0.995-1.006.
+autocast alone puts a dense ξ at 0.995-1.006. A mode that trains through the sampler's attention (`sparse-learner`)
+is refused: TRL's loss runs its own dense forward, which the integration cannot route through the sampler's replay.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from ..config.corrections import CorrectionConfig
-from ..config.presets import correction_for
-from ..config.schema import DECODE_FIELDS, SPARSITY_FIELDS, SPECULATIVE_FIELDS, load_config
+from ..config.presets import dense_learner_correction
+from ..config.schema import DECODE_FIELDS, KV_STORAGE_FIELDS, SPARSITY_FIELDS, SPECULATIVE_FIELDS, load_config
 from ..errors import ConfigError
 from ..learner.alpha import alpha_points, rollout_acceptance
 from ..learner.corrections import Corrections, compute_corrections
@@ -68,7 +69,8 @@ if Version(trl.__version__).base_version.rsplit(".", 1)[0] != SUPPORTED_TRL:
                       f"{trl.__version__}: pip install 'trl=={SUPPORTED_TRL}.*'")
 
 # The rollout settings (`sparserl train`'s names) that the sampler reads.
-SAMPLER_SETTINGS = (*SPARSITY_FIELDS, *SPECULATIVE_FIELDS, *DECODE_FIELDS, "ignore_eos", "alpha_bin_size")
+SAMPLER_SETTINGS = (*SPARSITY_FIELDS, *KV_STORAGE_FIELDS, *SPECULATIVE_FIELDS, *DECODE_FIELDS, "ignore_eos",
+                    "alpha_bin_size")
 # Where TRL takes the `sparserl train` settings a rollout function does not: said when one is passed to it.
 TRL_SETTING_OF = {
     "temperature": "GRPOConfig(temperature=...)", "group_size": "GRPOConfig(num_generations=...)",
@@ -107,10 +109,10 @@ class SparseRollouts:
 
     Keyword arguments are the sampler's settings, as `sparserl train` names them (`SAMPLER_SETTINGS`: `kv_policy`,
     `kv_budget`, `kv_window`, `kv_interval`, `kv_schedule` (a calibrated schedule file), `sparsity`, `block_*`,
-    `speculative`, `speculative_draft`, `draft_tokens`, `rollout_kv_memory`, `max_concurrent_rows`, `ignore_eos`
-    (every completion `max_completion_length` long, as benchmarks want), and the policies' own options); any other
-    is refused, naming the TRL setting that does its work. `dense=True` samples with the full cache (the same engine,
-    no compression). `measure_alpha`: also measure Sparrow's acceptance rate α of each batch against the dense
+    `kv_dtype`, `speculative`, `speculative_draft`, `draft_tokens`, `rollout_kv_memory`, `max_concurrent_rows`,
+    `ignore_eos` (every completion `max_completion_length` long, as benchmarks want), and the policies' own options);
+    any other is refused, naming the TRL setting that does its work. `dense=True` samples with the full cache (the
+    same engine, no compression; still stored as `kv_dtype` asks). `measure_alpha`: also measure Sparrow's acceptance rate α of each batch against the dense
     policy (a dense forward and, on a large vocabulary, a replay of the sampler), binned by `alpha_bin_size`.
     """
 
@@ -131,7 +133,7 @@ class SparseRollouts:
             sparsity=None if dense or self.rollout.speculative else sparsity_from_config(self.rollout),
             draft=draft_from_config(self.rollout) if self.rollout.speculative else None,
             draft_tokens=self.rollout.draft_tokens, record_evictions=False,
-            record_distributions=self.measure_alpha)
+            record_distributions=self.measure_alpha, kv_dtype=self.rollout.kv_dtype)
         self.samplers: SamplerCache | None = None
         self._checked: int | None = None  # id of the trainer whose settings were checked
 
@@ -269,7 +271,8 @@ class SparseGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, correction: str | CorrectionConfig = "sparse-rl", **kwargs):
-        self.correction = correction_for(correction)  # a bad preset fails before TRL loads anything
+        # A bad preset fails before TRL loads anything; so does one that trains through the sampler's attention.
+        self.correction = dense_learner_correction(correction, "SparseGRPOTrainer")
         super().__init__(*args, **kwargs)
         if isinstance(self.rollout_func, SparseRollouts):
             check_trainer(self)

@@ -10,7 +10,7 @@ import torch
 
 from ..model.forward import head_logits, logit_scale, map_head_chunks, micro_batches, response_hidden
 from ..rollout.acceptance import acceptance_rate, alpha_metrics
-from ..rollout.sparsity.replay import sampler_masks
+from ..rollout.sparsity.replay import sampler_replay
 
 
 @torch.no_grad()
@@ -44,7 +44,7 @@ def rollout_acceptance(model, batch, temperature: float, micro_batch_size: int =
         else:
             with sampler_context():
                 sampler_hidden = response_hidden(model, ids, mask, width, share_prompts,
-                                                 masks=sampler_masks(model, batch, rows))
+                                                 masks=sampler_replay(model, batch, rows))
 
             def replayed(dense, sampler_states):
                 return acceptance_rate(torch.log_softmax(head_logits(model, sampler_states) / scale, dim=-1), dense)

@@ -29,7 +29,7 @@ from ..model.forward import (
 )
 from ..rollout.adapter import AdapterConfig, SamplerAdapter, adapter_config
 from ..rollout.batch import RolloutBatch
-from ..rollout.sparsity.replay import sampler_masks
+from ..rollout.sparsity.replay import sampler_replay
 from .grpo import ppo_loss, token_coefficients
 
 
@@ -107,7 +107,7 @@ class DistillTrainer:
             # head recomputes its pieces during the backward pass.
             with self.adapter.active():
                 sparse_hidden = response_hidden(self.model, ids, mask, width, cfg.share_prompts,
-                                                masks=sampler_masks(self.model, batch, rows))
+                                                masks=sampler_replay(self.model, batch, rows))
                 logp_sparse, kl, logp_dense = map_head_chunks(self.model, sparse_hidden, self._distill_terms,
                                                               dense_hidden, ids[:, width:],
                                                               temperature=logit_scale(cfg.temperature))

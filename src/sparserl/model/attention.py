@@ -5,7 +5,8 @@ holds its own set of tokens (and, per head, possibly different ones), so the rol
 replay install a `MaskProvider` while they run, and the model's attention calls `attend` below. It lives
 with the model because both sides use it: the sampler, and the learner's exact replay of it. It also
 lets the provider see each layer's post-RoPE queries, which SnapKV, R-KV and H2O score with, and
-narrow a decode query to a subset of keys it gathers (block-sparse attention reads fewer keys).
+narrow a decode query to a subset of keys it gathers (block-sparse attention reads fewer keys), and transform
+every layer's keys and values before attention (the replay of a quantized KV cache: `kv_transform`).
 Outside `masked_attention(...)` the model runs its normal attention, untouched. Attention logit
 soft-capping (Gemma-2's `attn_logit_softcapping`: scores = cap · tanh(scores / cap)) is applied as
 transformers' eager attention applies it, before the mask.
@@ -14,6 +15,7 @@ transformers' eager attention applies it, before the mask.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,6 +37,35 @@ class MaskProvider(Protocol):
     # Optional: `select_keys(layer_idx, query [N, Hq, 1, D], mask [N, Hm, 1, K])` for a decode query
     # returns the keys and values `[N, Hkv, K', D]` it attends to instead, with their mask `[N, Hm, 1, K']`,
     # or None to attend to every key under `mask`.
+    # Optional: `kv_transform`, a `KVTransform` (or None) applied to every layer's keys and values first.
+
+
+class KVTransform(Protocol):
+    """What a replay does to each layer's keys and values before attention: a quantized cache's quantization
+    (`rollout.quantization.KVFakeQuant`), element by element, so that it applies to a forward's keys in one piece or
+    in the parts of a shared-prompt forward alike."""
+
+    def __call__(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key`, `value` `[N, Hkv, K, D]` as the sampler read them."""
+        ...
+
+    def rows(self, index: torch.Tensor | slice) -> KVTransform:
+        """The transform of the forward's rows `index` only."""
+        ...
+
+
+@dataclass
+class SamplerView:
+    """What a teacher-forced forward needs to see what a sampler saw (`rollout.sparsity.replay.sampler_replay`): per
+    layer, bool masks `[N, Hs, S, S]`, and the transform of every layer's keys and values (None: none)."""
+
+    masks: list[torch.Tensor]
+    kv_transform: KVTransform | None = None
+
+    @classmethod
+    def of(cls, masks: list[torch.Tensor] | SamplerView | None) -> SamplerView | None:
+        """`masks` as a view (plain masks: no transform)."""
+        return masks if masks is None or isinstance(masks, SamplerView) else cls(masks)
 
 
 # The provider of the forward running now. A module global, not a ContextVar: torch.compile traces a global's read
@@ -62,16 +93,10 @@ def attend(
     if provider is None:
         raise RuntimeError("sparserl attention ran outside masked_attention(); this is a bug")
     softcap = kwargs.get("softcap")
-    layer_idx = module.layer_idx
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
-    mask = provider.attention_mask(layer_idx, q_len, k_len)
-    provider.observe(layer_idx, query, key, mask)
-    select = getattr(provider, "select_keys", None) if q_len == 1 else None
-    narrowed = select(layer_idx, query, mask) if select is not None else None
-    if narrowed is not None:
-        key, value, mask = narrowed
+    key, value, mask = _provided(provider, module.layer_idx, query, key, value)
     if softcap is None and q_len == 1 and query.device.type == "cuda":
         # A decode query on a GPU: one fused kernel (SDPA's memory-efficient attention takes any mask) reads the keys
         # once; the explicit matmul below would run a float-accumulating batched GEMM, a masked softmax and another
@@ -99,6 +124,20 @@ def attend(
             attn_mask=mask.reshape(batch * kv_heads, 1, q_len, k_len))
     out = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
     return out, None
+
+
+def _provided(provider: MaskProvider, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys, values and mask a layer's queries attend to, from the provider: its transform of the keys and values
+    (a quantized sampler's replay), its mask, which it observes, and a decode query's narrowing (block-sparse)."""
+    transform = getattr(provider, "kv_transform", None)
+    if transform is not None:
+        key, value = transform(layer_idx, key, value)
+    mask = provider.attention_mask(layer_idx, query.shape[2], key.shape[2])
+    provider.observe(layer_idx, query, key, mask)
+    select = getattr(provider, "select_keys", None) if query.shape[2] == 1 else None
+    narrowed = select(layer_idx, query, mask) if select is not None else None
+    return narrowed if narrowed is not None else (key, value, mask)
 
 
 def _decode_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -133,10 +172,11 @@ AttentionInterface.register(IMPLEMENTATION_NAME, attend)
 
 class FixedMasks:
     """A mask provider of masks known in advance: per layer, bool `[N, Hm, Q, K]` (the replay of a sparse
-    sampler, the parts of a shared-prompt forward)."""
+    sampler, the parts of a shared-prompt forward), and the keys' and values' transform (a quantized sampler's)."""
 
-    def __init__(self, masks: list[torch.Tensor]):
+    def __init__(self, masks: list[torch.Tensor], kv_transform: KVTransform | None = None):
         self.masks = masks
+        self.kv_transform = kv_transform
 
     def attention_mask(self, layer_idx: int, query_len: int, key_len: int) -> torch.Tensor:
         return self.masks[layer_idx]

@@ -4,7 +4,8 @@ One parallel forward over prompt+response with full attention, in the engine's c
 (left-padded prompt of width P, right-padded response of width T). Positions count real tokens
 only, exactly as the sampler assigned them. With `share_prompts` each group's prompt is computed once
 (`shared_prompt.py`), with the same outputs and gradients; with `masks` each query sees what a sparse sampler
-saw (its exact replay).
+saw (its exact replay), and with a `SamplerView` every layer's keys and values are also what a quantized sampler's
+cache gave back.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .attention import FixedMasks, masked_attention
+from .attention import FixedMasks, SamplerView, masked_attention
 from .shared_prompt import prompt_groups, shared_prompt_hidden
 from .structure import positions_from_mask, rope_depends_on_length, text_config
 
@@ -23,23 +24,25 @@ LOGIT_CHUNK_BYTES = 64 * 2**20
 
 
 def response_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                    share_prompts: bool = False, masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+                    share_prompts: bool = False, masks: list[torch.Tensor] | SamplerView | None = None) -> torch.Tensor:
     """Final hidden states `[N, T, H]` at the positions that predict the response tokens.
 
     `share_prompts`: runs of rows with the same prompt compute it once (when some run holds two rows or more, and
     the model's RoPE does not depend on the forward's length: dynamic NTK or LongRoPE would rotate a prompt-only
     forward otherwise than the whole sequence's).
-    `masks`: per layer, bool `[N, Hs, S, S]`, what each query sees (a sparse sampler's replay); else the plain
+    `masks`: per layer, bool `[N, Hs, S, S]`, what each query sees (a sparse sampler's replay), or a `SamplerView`
+    (`rollout.sparsity.replay.sampler_replay`: those masks and the sampler's K/V quantization); else the plain
     causal forward.
     """
+    view = SamplerView.of(masks)
     if share_prompts and not rope_depends_on_length(text_config(model)) and \
             len(prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])[1]) < len(input_ids):
-        return shared_prompt_hidden(model, input_ids, attention_mask, prompt_width, masks)
+        return shared_prompt_hidden(model, input_ids, attention_mask, prompt_width, view)
     decoder, positions = model.get_decoder(), positions_from_mask(attention_mask)
-    if masks is None:
+    if view is None:
         outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     else:
-        with masked_attention(model, FixedMasks(masks)):
+        with masked_attention(model, FixedMasks(view.masks, view.kv_transform)):
             outputs = decoder(input_ids=input_ids, position_ids=positions, use_cache=False)
     return outputs.last_hidden_state[:, prompt_width - 1:-1]
 

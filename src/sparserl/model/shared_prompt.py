@@ -11,7 +11,9 @@ two parts:
 
 Both parts run under the package's masked attention with exactly the masks of one forward over the whole
 sequence (`causal_masks`: real keys, causal, each layer's sliding window), or with the replay's masks of a sparse
-sampler, whose prompt rows are causal too: a sampler compresses only while it decodes. So hidden states,
+sampler, whose prompt rows are causal too: a sampler compresses only while it decodes. A quantized sampler's K/V
+transform (`attention.SamplerView`) is elementwise, so it applies to the prompt part's keys and to the response
+part's (its group's prompt keys, kept as computed, then its own) as to the one forward's. So hidden states,
 log-probs and every parameter's gradient are those of the plain forward (equal to 1e-10 in float64,
 `tests/test_shared_prompt.py`), for any rows: groups of any size, prompts of different lengths, a micro-batch
 that cuts a group.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import FixedMasks, masked_attention
+from .attention import FixedMasks, SamplerView, masked_attention
 from .structure import (
     cache_keyword,
     layer_types,
@@ -95,23 +97,24 @@ class _PromptCache(Cache):
 
 
 def shared_prompt_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
-                         masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+                         masks: list[torch.Tensor] | SamplerView | None = None) -> torch.Tensor:
     """Final hidden states `[N, T, H]` at the positions that predict the response tokens (those of
     `forward.response_hidden`), each group's prompt computed once. `masks`: per layer `[N, Hs, S, S]` what each
-    query sees (a sparse sampler's replay), else `causal_masks`."""
+    query sees (a sparse sampler's replay), or a `SamplerView` (with its K/V transform), else `causal_masks`."""
     width = prompt_width
     group, first = prompt_groups(input_ids[:, :width], attention_mask[:, :width])
-    if masks is None:
-        masks = causal_masks(attention_mask, layer_windows(text_config(model)))
+    view = SamplerView.of(masks) or SamplerView(causal_masks(attention_mask, layer_windows(text_config(model))))
+    masks, transform = view.masks, view.kv_transform
     positions = positions_from_mask(attention_mask)
     cache = _PromptCache(model)
-    provider = FixedMasks([mask[first, :, :width, :width] for mask in masks])
+    provider = FixedMasks([mask[first, :, :width, :width] for mask in masks],
+                          transform.rows(first) if transform is not None else None)
     decoder, keyword = model.get_decoder(), cache_keyword(model.get_decoder())
     with masked_attention(model, provider):
         prompts = decoder(input_ids=input_ids[first, :width], position_ids=positions[first, :width],
                           **{keyword: cache}, use_cache=True).last_hidden_state
         cache.share(group)
-        provider.masks = [mask[:, :, width:] for mask in masks]
+        provider.masks, provider.kv_transform = [mask[:, :, width:] for mask in masks], transform
         responses = decoder(input_ids=input_ids[:, width:], position_ids=positions[:, width:],
                             **{keyword: cache}, use_cache=True).last_hidden_state
     # The first response token is predicted at the prompt's last column, which its group computed.

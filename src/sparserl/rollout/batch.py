@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # a type in a field, not an import at run time: block sparsity reads this module
+if TYPE_CHECKING:  # types in fields, not imports at run time: block sparsity and the cache read this module
+    from .quantization import KVScales
     from .sparsity.block_sparse import BlockSelections
 
 
@@ -57,12 +58,17 @@ STEP_COUNTS = ("step_compilations", "step_compile_seconds", "step_captures", "st
 @dataclass
 class KVStats:
     """What a rollout's cache cost; bytes are measured from the buffers' own `nbytes`. `kv_dense_bytes` is a bound,
-    not a measurement: what a dense cache of the rows first in flight would hold at the prompt width plus the longest
-    response *this* sampler wrote (a sparse sampler that loops to the cap inflates it); `kv_saved` compares
-    measured peaks instead."""
+    not a measurement: what a dense cache of the rows first in flight would hold (in this cache's format, `kv_dtype`)
+    at the prompt width plus the longest response *this* sampler wrote (a sparse sampler that loops to the cap
+    inflates it); `kv_saved` compares measured peaks instead."""
 
     kv_peak_bytes: int = 0
     kv_dense_bytes: int = 0
+    # How the cache stores a token: `kv_dtype` (auto: the model's dtype; fp8 or int8: quantized,
+    # `rollout/quantization.py`), and the bytes one slot of one row takes over every layer (scales stored per slot
+    # included): the regime a report states.
+    kv_dtype: str = "auto"
+    kv_slot_bytes: int = 0
     kv_peak_bytes_by_layer_type: dict[str, int] = field(default_factory=dict)
     compressions: int = 0
     compress_seconds: float = 0.0
@@ -104,6 +110,7 @@ class KVStats:
         return cls(
             kv_peak_bytes=max(s.kv_peak_bytes for s in stats),
             kv_dense_bytes=max(s.kv_dense_bytes for s in stats),
+            kv_dtype=stats[0].kv_dtype, kv_slot_bytes=max(s.kv_slot_bytes for s in stats),
             kv_peak_bytes_by_layer_type={k: max(s.kv_peak_bytes_by_layer_type.get(k, 0) for s in stats)
                                          for k in stats[0].kv_peak_bytes_by_layer_type},
             compressions=sum(s.compressions for s in stats),
@@ -120,6 +127,7 @@ class KVStats:
         kept, evicted = self.kept_tokens, self.evicted_tokens
         return {
             "kv_peak_bytes": self.kv_peak_bytes, "kv_dense_bytes": self.kv_dense_bytes,
+            "kv_slot_bytes": self.kv_slot_bytes,
             "kv_kept_tokens_mean": float(kept.mean()), "kv_evicted_tokens_mean": float(evicted.mean()),
             "kv_kept_frac": float(kept.sum() / (kept + evicted).sum().clamp(min=1)),
             "kv_compressions": self.compressions,
@@ -154,6 +162,9 @@ class RolloutBatch:
     replayable: bool = False
     # Block-sparse rollouts recorded with `record_evictions`: the pages each decode query attended.
     block_selections: BlockSelections | None = None
+    # Sampled through a quantized cache (`--kv-dtype fp8 | int8`): the format and each row's scales, always recorded;
+    # the replay quantizes every layer's keys and values with them (`sparsity.replay.sampler_replay`).
+    kv_scales: KVScales | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.presets import load_preset
+from ..config.presets import check_learner_attention, load_preset
 from ..config.schema import ExperimentConfig
 from ..errors import ConfigError
 from ..learner.distill import DistillTrainer, distill_config
@@ -47,7 +47,8 @@ class RunParts:
     adapter, distill: DistillSparse's sampler adapter and its trainer (None without it);
     task, max_new_tokens, reward: what is asked and how a response is scored; eval_examples, eval_rewards: the
     held-out prompts and the task's own reward for them;
-    sparse: whether rollouts are compressed; sampler_spec: what every step samples with but its sparsity;
+    sparse: whether rollouts are compressed; learner_attention: what the learner's forwards attend to (dense, or
+    the sampler's replayed attention); sampler_spec: what every step samples with but its sparsity;
     shards, row_limits: how a step's rows are split and bounded; hooks: what joins each step (`hooks.py`).
     """
 
@@ -68,6 +69,7 @@ class RunParts:
     state: TrainerState
     compression: KVCompression | BlockSparsity
     sparse: bool
+    learner_attention: str
     sampler_spec: SamplerSpec
     shards: int
     row_limits: RowLimits
@@ -85,6 +87,7 @@ class RunParts:
 def build_run(config: ExperimentConfig, run_dir: Path, checkpoint: Path | None) -> RunParts:
     """The run's parts, from scratch or from `checkpoint` (its weights, optimizer, counters and budgets).
     The order of the steps is the order of their draws from torch's seeded generator: keep it."""
+    check_learner_attention(config)  # before any model loads
     torch.manual_seed(config.train.seed)
     device = resolve_device(config.model.device)
     model, tokenizer, reference = _policy(config, checkpoint, device)
@@ -102,18 +105,22 @@ def build_run(config: ExperimentConfig, run_dir: Path, checkpoint: Path | None) 
     adaptive = adaptive_budget(config.rollout) if config.rollout.kv_schedule == "adaptive" else None
     compression = _compression(config, state, adaptive)
     # Speculative rollouts are exact dense samples whatever the mode: nothing sparse to measure or correct.
-    sparse = load_preset(config.train.mode).sparse_rollouts and not config.rollout.speculative
-    # What every step samples with but its sparsity (which a budget controller may move): DistillSparse's
-    # replay needs the eviction records, α the sampler's distributions.
+    preset = load_preset(config.train.mode)
+    sparse = preset.sparse_rollouts and not config.rollout.speculative
+    # What every step samples with but its sparsity (which a budget controller may move): DistillSparse's replay and
+    # a learner through the sampler's attention need the eviction records, α the sampler's distributions.
+    replayed = adapter is not None or preset.learner_attention == "sampler"
     sampler_spec = SamplerSpec(
         draft=draft_from_config(config.rollout) if config.rollout.speculative else None,
-        draft_tokens=config.rollout.draft_tokens, record_evictions=adapter is not None, record_distributions=sparse)
+        draft_tokens=config.rollout.draft_tokens, record_evictions=replayed, record_distributions=sparse,
+        kv_dtype=config.rollout.kv_dtype)
     return RunParts(
         config=config, run_dir=run_dir, device=device, model=model, tokenizer=tokenizer, reference=reference,
         adapter=adapter, distill=distill, task=task, max_new_tokens=max_new_tokens(config.task, task), reward=reward,
         eval_examples=task.examples(config.output.eval_examples, seed=config.train.seed, split="test"),
         eval_rewards=eval_rewards, optimizer=optimizer, state=state, compression=compression, sparse=sparse,
-        sampler_spec=sampler_spec, shards=config.rollout.rollout_shards or max(1, config.rollout.rollout_workers),
+        learner_attention=preset.learner_attention, sampler_spec=sampler_spec,
+        shards=config.rollout.rollout_shards or max(1, config.rollout.rollout_workers),
         row_limits=RowLimits.from_rollout_config(config.rollout, device), hooks=_hooks(config, adaptive, distill))
 
 

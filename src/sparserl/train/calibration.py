@@ -34,7 +34,7 @@ def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: Budget
     limits = RowLimits.from_rollout_config(rollout, next(model.parameters()).device)
     with sampler_context():
         done = complete(model, tokenizer, examples, max_new_tokens, rollout.temperature, compression, limits=limits,
-                        samples=samples, seed=seed, record_distributions=True)
+                        samples=samples, seed=seed, record_distributions=True, kv_dtype=rollout.kv_dtype)
     return bin_tails(rollout_alpha_metrics(model, done.batches, rollout.temperature, bin_size, quantile,
                                            sampler_context=sampler_context))
 
@@ -43,8 +43,8 @@ def calibrate_schedule(model, tokenizer, max_new_tokens: int, rollout, examples,
                        bin_size: int, samples: int, seed: int, quantile: float = 0.05, progress: bool = True,
                        sampler_context=contextlib.nullcontext) -> Calibration:
     """The look-ahead schedule of the module docstring, for `model` as it is now (the CLI's and
-    `--recalibrate-every`'s common core). `rollout`: a `RolloutConfig` (policy, window, interval, and the
-    limits on rows in flight). `sampler_context()`: what the sparse sampler samples under (DistillSparse's
+    `--recalibrate-every`'s common core). `rollout`: a `RolloutConfig` (policy, window, interval, the KV storage
+    `kv_dtype`, and the limits on rows in flight). `sampler_context()`: what the sparse sampler samples under (DistillSparse's
     adapter on), so that the tails measured are those of the sampler training will use."""
     budgets = sorted(budgets)
     measure = lambda schedule: _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule,  # noqa: E731

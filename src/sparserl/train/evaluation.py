@@ -1,6 +1,9 @@
 """Evaluation of a policy on held-out examples: greedy accuracy and sampled pass@k, under dense or
 sparse inference, with token counts and, under sparse inference, the KV figures and α of the
 rollouts. The trainer's periodic evaluation and every inference command use it.
+
+Sparse inference is the run's sampler: its KV policy (or block attention) and its KV storage (`kv_dtype`: a cache
+quantized to fp8 or int8, alone or under eviction). Dense inference is the whole cache in the model's dtype.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ class Completions:
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
              compression: KVCompression | BlockSparsity | None = None, limits: RowLimits = RowLimits(),
              samples: int = 1, seed: int = 0, progress: str | None = None,
-             record_distributions: bool = False) -> Completions:
+             record_distributions: bool = False, kv_dtype: str = "auto") -> Completions:
     """Sample `samples` completions per example (grouped: example i's come out consecutively), row i from
     the seed (`seed`, i), as many rows at a time as `limits` allow (`RowLimits.for_inference`). A KV memory
     budget that holds no row is refused before anything is sampled. `progress`: a label for a progress
-    bar over the decode steps, None for silence."""
-    engine = RolloutEngine(model, compression, record_evictions=False, record_distributions=record_distributions)
+    bar over the decode steps, None for silence. `kv_dtype`: how the cache stores keys and values (auto: the
+    model's dtype; fp8 or int8: quantized, with or without `compression`)."""
+    engine = RolloutEngine(model, compression, record_evictions=False, record_distributions=record_distributions,
+                           kv_dtype=kv_dtype)
     limits = limits.for_inference()
     prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
@@ -71,12 +76,13 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                   compression: KVCompression | BlockSparsity | None = None,
                   rewards: RewardRunner | None = None, limits: RowLimits = RowLimits(),
-                  answers: list[dict] | None = None) -> dict[str, float]:
+                  answers: list[dict] | None = None, kv_dtype: str = "auto") -> dict[str, float]:
     """Greedy `accuracy` (`is_correct` by the task's reward) on `examples`, plus the task's `walk_metrics`
     where it has them. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`).
-    `answers`, if given, gets each example's prompt, label, greedy completion and verdict appended."""
+    `answers`, if given, gets each example's prompt, label, greedy completion and verdict appended.
+    `kv_dtype`: the cache's storage (`complete`)."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression,
-                    limits=limits)
+                    limits=limits, kv_dtype=kv_dtype)
     scores = (rewards or RewardRunner.for_task(task)).score_examples(examples, done.texts, done.ids)
     if answers is not None:
         answers.extend(answer_records(examples, done.texts, scores))
@@ -106,28 +112,30 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
                     compression: KVCompression | BlockSparsity | None, samples: int, temperature: float, seed: int,
                     progress: bool = False, alpha_bin_size: int = 16, rewards: RewardRunner | None = None,
                     limits: RowLimits = RowLimits(), measure_alpha: bool = True,
-                    answers: list[dict] | None = None) -> dict:
+                    answers: list[dict] | None = None, kv_dtype: str = "auto") -> dict:
     """Greedy accuracy (and walk metrics), pass@k from `samples` samples, the KV figures of the greedy
     rollouts (peak bytes, rows in flight under `limits`), and under sparse inference (with `measure_alpha`) the
     acceptance rate α of the greedy rollouts against the dense model, a replay that costs about twice the greedy
-    pass on a real model. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`);
-    `answers`, if given, gets a record per greedy answer (`answer_records`)."""
+    pass on a real model. Sparse inference is `compression`, or a cache quantized by `kv_dtype` (fp8 or int8), or
+    both. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`); `answers`, if given,
+    gets a record per greedy answer (`answer_records`)."""
     rewards = rewards or RewardRunner.for_task(task)
-    kind = "dense" if compression is None else "sparse"
+    sparse = compression is not None or kv_dtype != "auto"
+    kind = "sparse" if sparse else "dense"
     label = (lambda what: f"eval {kind} {what}") if progress else (lambda what: None)
     greedy = complete(model, tokenizer, examples, max_new_tokens, 0.0, compression, limits=limits,
-                      progress=label("greedy"), record_distributions=compression is not None and measure_alpha)
+                      progress=label("greedy"), record_distributions=sparse and measure_alpha, kv_dtype=kv_dtype)
     scores = rewards.score_examples(examples, greedy.texts, greedy.ids)
     if answers is not None:
         answers.extend(answer_records(examples, greedy.texts, scores))
     result = {"accuracy": accuracy(scores), **walk_metrics(task, greedy.texts, examples),
               **_token_figures(greedy.batches)}
-    result["kv"] = {**_sparsity_settings(compression), **_kv_figures(greedy.batches)}
-    if compression is not None and measure_alpha:
+    result["kv"] = {**_sparsity_settings(compression), "kv_dtype": kv_dtype, **_kv_figures(greedy.batches)}
+    if sparse and measure_alpha:
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
         sampled = complete(model, tokenizer, examples, max_new_tokens, temperature, compression, limits=limits,
-                           samples=samples, seed=seed, progress=label("sampled"))
+                           samples=samples, seed=seed, progress=label("sampled"), kv_dtype=kv_dtype)
         hits = [is_correct(r) for r in rewards.score_examples(examples, sampled.texts, sampled.ids, samples)]
         per_example = [sum(hits[i * samples:(i + 1) * samples]) for i in range(len(examples))]
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples]

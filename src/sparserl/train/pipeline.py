@@ -9,6 +9,7 @@ step knowing (the KV budget controllers, DistillSparse) joins it as a hook (`hoo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from ..errors import UserError
 from ..learner.alpha import rollout_alpha_metrics
 from ..learner.corrections import compute_corrections
 from ..learner.grpo import group_advantages
+from ..learner.sampler_forward import SamplerForward
 from ..learner.update import ppo_update
 from ..model.clock import now
 from ..model.forward import batched_hidden, batched_logprobs, hidden_logprobs, micro_batches, response_hidden
@@ -32,7 +34,7 @@ from .build import RunParts
 from .evaluation import decode_responses, response_ids
 from .hooks import HookUpdate, StepHook
 from .metrics import MetricsLogger
-from .step_batch import StepBatch, diagnose, reward_metrics, rollout_samples
+from .step_batch import StepBatch, diagnose, learner_ratio_metrics, reward_metrics, rollout_samples
 
 REFERENCE_CORRECTIONS = CorrectionConfig.sparse_rl()  # what every mode logs as "flagged", to compare modes
 OUT_OF_RANGE_FRAC = 0.3  # a first-step filter rate above this says the regime is outside the method's range
@@ -112,47 +114,82 @@ class StepPipeline:
         data.correct = torch.tensor([is_correct(s) for s in reward.last_scores["task"]], device=device)
 
     def _recompute(self, data: StepBatch) -> None:
-        """π_old (the dense policy before the update), the reference model's log-probs, and α, whose dense side is
-        π_old's own forward."""
-        cfg, model, batch = self.config, self.parts.model, data.batch
-        input_ids, attention_mask = batch.input_ids, batch.attention_mask
-        width, targets = batch.prompt_ids.shape[1], batch.response_ids
+        """π_old (the policy before the update), the reference model's log-probs, and α, whose dense side is the
+        dense forward's own. Under a mode whose learner attends as the sampler did (`learner_attention: sampler`)
+        π_old and π_ref go through the sampler's replayed attention, and the dense policy's log-probs are kept
+        apart (`logp_dense`) for the mismatch metrics."""
+        cfg, batch = self.config, data.batch
         mb, share = cfg.train.micro_batch_size, cfg.train.share_prompts
-        temperature = cfg.rollout.temperature
+        learner = self._sampler_forward(data)  # None: the learner's forwards are dense
         # Every forward of the learner runs as the sampler's do, with dropout off (TRL's `disable_dropout`): π_old, the
         # update's π_θ and α's dense side are then one function of the weights, whichever path computes them.
-        model.eval()
-        if cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb:
-            # One optimizer step from one forward: that forward, at the current weights, is the dense
-            # recompute of π_old, so it is done once with gradients and reused (as TRL does).
-            hidden = response_hidden(model, input_ids, attention_mask, width, share)
-            data.fused_forward = hidden_logprobs(model, hidden, targets, with_entropy=cfg.train.entropy_coef > 0,
-                                                 temperature=temperature)
-            data.logp_old, dense_hidden = data.fused_forward[0].detach(), hidden.detach()
-        else:
-            dense_hidden = batched_hidden(model, input_ids, attention_mask, width, mb, share)
-            with torch.no_grad():
-                data.logp_old = torch.cat([hidden_logprobs(model, dense_hidden[rows], targets[rows],
-                                                           temperature=temperature)[0]
-                                           for rows in micro_batches(len(batch), mb)])
+        self.parts.model.eval()
+        dense_hidden = self._pi_old(data, learner)
         if self.parts.reference is not None:
-            data.logp_ref = batched_logprobs(self.parts.reference, input_ids, attention_mask, width, mb, temperature,
-                                             share)
+            # Under the sampler's attention too: the KL term is then the policy's drift from its start as it samples
+            # (0 at step 1), not the sparse-vs-dense gap (`learner.sampler_forward`).
+            data.logp_ref = learner.batched_logprobs(self.parts.reference, mb) if learner is not None else \
+                batched_logprobs(self.parts.reference, batch.input_ids, batch.attention_mask,
+                                 batch.prompt_ids.shape[1], mb, cfg.rollout.temperature, share)
         # α needs the sampler's whole distributions and the pre-update weights.
         every = cfg.rollout.alpha_every
         if self.parts.sparse and every and (data.step - 1) % every == 0:
-            data.acceptance = rollout_alpha_metrics(model, data.rollouts.shards, temperature,
+            data.acceptance = rollout_alpha_metrics(self.parts.model, data.rollouts.shards, cfg.rollout.temperature,
                                                     cfg.rollout.alpha_bin_size, micro_batch_size=mb,
                                                     sampler_context=self.parts.sampler, share_prompts=share,
                                                     dense_hidden=dense_hidden)
 
+    def _pi_old(self, data: StepBatch, learner: SamplerForward | None) -> torch.Tensor:
+        """π_old's log-probs (through `learner` when there is one, with `logp_dense` beside them), as the update's own
+        forward when one optimizer step on the whole batch makes them the same (`fused_forward`); returns the dense
+        forward's final hidden states `[B, T, H]`, which α reuses."""
+        cfg, model, batch = self.config, self.parts.model, data.batch
+        input_ids, attention_mask = batch.input_ids, batch.attention_mask
+        width, targets = batch.prompt_ids.shape[1], batch.response_ids
+        mb, share = cfg.train.micro_batch_size, cfg.train.share_prompts
+        temperature, with_entropy = cfg.rollout.temperature, cfg.train.entropy_coef > 0
+        fused = cfg.train.minibatches == 1 and cfg.train.epochs == 1 and len(batch) <= mb
+        if fused and learner is None:
+            # One optimizer step from one forward: that forward, at the current weights, is the dense
+            # recompute of π_old, so it is done once with gradients and reused (as TRL does).
+            hidden = response_hidden(model, input_ids, attention_mask, width, share)
+            data.fused_forward = hidden_logprobs(model, hidden, targets, with_entropy=with_entropy,
+                                                 temperature=temperature)
+            data.logp_old = data.fused_forward[0].detach()
+            return hidden.detach()
+        dense_hidden = batched_hidden(model, input_ids, attention_mask, width, mb, share)
+        with torch.no_grad():
+            logp_dense = torch.cat([hidden_logprobs(model, dense_hidden[rows], targets[rows],
+                                                    temperature=temperature)[0]
+                                    for rows in micro_batches(len(batch), mb)])
+        if learner is None:
+            data.logp_old = logp_dense
+        elif fused:  # as above, the update's one forward with gradients, here through the sampler's attention
+            data.logp_dense, data.fused_forward = logp_dense, learner.logprobs(model, with_entropy=with_entropy)
+            data.logp_old = data.fused_forward[0].detach()
+        else:
+            data.logp_dense, data.logp_old = logp_dense, learner.batched_logprobs(model, mb)
+        return dense_hidden
+
+    def _sampler_forward(self, data: StepBatch) -> SamplerForward | None:
+        """The learner's forwards through the step's sampler's attention, under a mode that trains so; else None."""
+        if self.parts.learner_attention != "sampler":
+            return None
+        return SamplerForward(data.rollouts.shards, self.config.train.share_prompts, self.config.rollout.temperature)
+
     def _correct(self, data: StepBatch) -> None:
-        """The mode's corrections, what Sparse-RL's would flag, and the group advantages."""
+        """The mode's corrections, what Sparse-RL's would flag, and the group advantages. Both set the sampler against
+        the dense policy in every mode, so that ξ and the flagged shares compare across modes; a mode whose learner
+        attends as the sampler did corrects nothing (its presets refuse any correction) and logs its loss's own
+        ratio apart (`learner_metrics`)."""
         batch, corrections = data.batch, self.config.correction
-        data.corrections = compute_corrections(data.logp_old, batch.sampler_logprobs, batch.response_mask, corrections)
+        dense = data.logp_old if data.logp_dense is None else data.logp_dense
+        data.corrections = compute_corrections(dense, batch.sampler_logprobs, batch.response_mask, corrections)
         # What Sparse-RL's filters would flag, logged in every mode so the mismatch is comparable across modes.
         data.flagged = data.corrections if corrections == REFERENCE_CORRECTIONS else \
-            compute_corrections(data.logp_old, batch.sampler_logprobs, batch.response_mask, REFERENCE_CORRECTIONS)
+            compute_corrections(dense, batch.sampler_logprobs, batch.response_mask, REFERENCE_CORRECTIONS)
+        if data.logp_dense is not None:
+            data.learner_metrics = learner_ratio_metrics(data.logp_old, batch.sampler_logprobs, batch.response_mask)
         included = None if self.config.train.rejected_in_baseline else data.corrections.seq_keep
         data.advantages = group_advantages(data.rewards, self.config.rollout.group_size, included)
 
@@ -197,9 +234,11 @@ class StepPipeline:
 
     def _update_policy(self, data: StepBatch) -> dict[str, float]:
         corrections, parts = data.corrections, self.parts
+        learner = self._sampler_forward(data)
         update = ppo_update(parts.model, parts.optimizer, data.batch, data.logp_old, data.logp_ref, data.advantages,
                             corrections.weights, corrections.keep_mask, data.generator, self.config.train,
-                            self.config.rollout.temperature, data.fused_forward)
+                            self.config.rollout.temperature, data.fused_forward,
+                            None if learner is None else functools.partial(learner.logprobs, parts.model))
         update.update(self._join(lambda hook: hook.after_update(self.hook_view, data)))
         return update
 

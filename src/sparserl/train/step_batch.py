@@ -31,11 +31,13 @@ class StepBatch:
         the learner), `generator` (the minibatch shuffle's, seeded with the step's seed);
     score: `texts` (B decoded responses), `rewards` [B] float32 (the weighted sum of the reward functions),
         `correct` [B] bool (the task's own reward calls the response correct, `is_correct`);
-    recompute: `logp_old` [B, T] (π_old's log-probs of the sampled tokens), `logp_ref` [B, T] (the
+    recompute: `logp_old` [B, T] (π_old's log-probs of the sampled tokens, the loss's), `logp_ref` [B, T] (the
         reference model's, when kl_coef > 0), `fused_forward` (the update's own forward, log-probs and
-        entropy, when one optimizer step makes it π_old's too), `acceptance` (α metrics of a sparse sampler);
-    correct: `corrections` (what the mode applies), `flagged` (what Sparse-RL's filters would flag),
-        `advantages` [B].
+        entropy, when one optimizer step makes it π_old's too), `acceptance` (α metrics of a sparse sampler),
+        `logp_dense` [B, T] (the dense policy's, where π_old is not it: a learner through the sampler's attention);
+    correct: `corrections` (what the mode applies), `flagged` (what Sparse-RL's filters would flag), both of the
+        sampler against the dense policy, `learner_metrics` (the loss's own ratio, where π_old is not the dense
+        policy), `advantages` [B].
     """
 
     step: int
@@ -50,8 +52,10 @@ class StepBatch:
     logp_ref: torch.Tensor | None = None
     fused_forward: tuple[torch.Tensor, torch.Tensor | None] | None = None
     acceptance: dict[str, float] = field(default_factory=dict)
+    logp_dense: torch.Tensor | None = None
     corrections: Corrections | None = None
     flagged: Corrections | None = None
+    learner_metrics: dict[str, float] = field(default_factory=dict)
     advantages: torch.Tensor | None = None
 
 
@@ -85,6 +89,20 @@ def kept_advantages(advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, f
             "kept_advantage_token_mean": float((advantages[:, None] * keep).sum() / keep.sum().clamp(min=1))}
 
 
+@torch.no_grad()
+def learner_ratio_metrics(logp_old: torch.Tensor, logp_sampler: torch.Tensor,
+                          response_mask: torch.Tensor) -> dict[str, float]:
+    """Where the loss's π_old is not the dense policy (a learner through the sampler's attention): that it is, and
+    its ratio to the sampler at the start of the update, π_old / π_sampler over the response tokens, smallest and
+    largest (1 up to float rounding, since π_old replays the sampler). The unprefixed ξ metrics stay the sampler
+    against the dense policy, as in every mode. All `[B, T]`."""
+    log_ratio = (logp_old.double() - logp_sampler.double())[response_mask.bool()]
+    if not len(log_ratio):
+        return {"learner_attention_sampler": 1.0, "learner_xi_min": 1.0, "learner_xi_max": 1.0}
+    return {"learner_attention_sampler": 1.0, "learner_xi_min": float(log_ratio.min().exp()),
+            "learner_xi_max": float(log_ratio.max().exp())}
+
+
 def length_edges(max_new_tokens: int) -> list[int]:
     """The inner edges of LENGTH_BUCKETS equal response-length buckets up to `max_new_tokens`."""
     return [math.ceil(max_new_tokens * i / LENGTH_BUCKETS) for i in range(1, LENGTH_BUCKETS)]
@@ -103,6 +121,7 @@ def diagnose(data: StepBatch, task: Task, group_size: int, max_new_tokens: int) 
         **kept_advantages(data.advantages, corrections.keep_mask),
         **walk_metrics(task, data.texts, data.examples, group_size),
         **data.acceptance,
+        **data.learner_metrics,
     }
 
 

@@ -150,19 +150,20 @@ class GRPOTrainer:
         self.run.release(failed)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out greedy accuracy under dense inference, and under sparse inference if asked."""
+        """Held-out greedy accuracy under dense inference, and under sparse inference if asked: the run's sampler, its
+        KV policy and its KV storage (`kv_dtype`)."""
         parts = self.parts
         parts.model.eval()
-        inferences = {"dense": None}
+        inferences = {"dense": (None, "auto")}
         if self.config.output.eval_sparse_inference:
-            inferences["sparse"] = parts.compression
+            inferences["sparse"] = (parts.compression, self.config.rollout.kv_dtype)
         result = {}
-        for inference, compression in inferences.items():
+        for inference, (compression, kv_dtype) in inferences.items():
             answers: list[dict] = []
             with parts.sampler() if compression else contextlib.nullcontext():
                 scores = greedy_scores(parts.model, parts.tokenizer, parts.task, parts.eval_examples,
                                        parts.max_new_tokens, compression=compression, rewards=parts.eval_rewards,
-                                       limits=parts.row_limits, answers=answers)
+                                       limits=parts.row_limits, answers=answers, kv_dtype=kv_dtype)
             result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
             self.logger.log_samples([{"step": self.state.step, "kind": f"eval_{inference}", **a} for a in answers])
         counts = parts.eval_rewards.pop_counts()

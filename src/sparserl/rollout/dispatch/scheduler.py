@@ -27,6 +27,7 @@ import torch
 
 from ...errors import ConfigError
 from ..batch import EvictionEvent, KVStats, RolloutBatch, SamplingConfig
+from ..quantization import KVScales
 from ..sampler import Sampler
 from ..sizes import parse_memory
 from ..sparsity.block_sparse import BlockSelections
@@ -159,6 +160,7 @@ def merge_waves(waves: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
         sampler_distribution=right_pad(distributions, 0.0) if all(d is not None for d in distributions) else None,
         replayable=all(w.replayable for w in waves),
         block_selections=_merge_blocks([w.block_selections for w in waves]),
+        kv_scales=KVScales.cat([w.kv_scales for w in waves]),
     )
 
 

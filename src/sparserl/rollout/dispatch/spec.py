@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import ConfigError
 from ..engine.engine import RolloutEngine
 from ..engine.step import StepRunner
 from ..sampler import Sampler
@@ -25,13 +26,15 @@ from ..speculative.sampler import SpeculativeSampler
 class SamplerSpec:
     """`sparsity`: KV eviction or block attention (None: dense). `draft`: set, speculative rollouts that draft
     with it and are exact dense samples (`sparsity` is then None). `record_evictions`: keep what replays the
-    sparse sampler exactly (DistillSparse trains through it); `record_distributions`: keep what α needs."""
+    sparse sampler exactly (DistillSparse trains through it); `record_distributions`: keep what α needs. `kv_dtype`:
+    how the cache stores keys and values (auto: the model's dtype; fp8 or int8: quantized, `quantization.py`)."""
 
     sparsity: KVCompression | BlockSparsity | None = None
     draft: BlockSparsity | WindowDraft | None = None
     draft_tokens: int | str = 4
     record_evictions: bool = True
     record_distributions: bool = False
+    kv_dtype: str = "auto"
 
     @property
     def speculative(self) -> bool:
@@ -42,9 +45,12 @@ def build_sampler(model, spec: SamplerSpec, runners: dict[str, StepRunner] | Non
     """The sampler `spec` describes, over `model`'s current weights, running its steps through `runners` (None: its
     own)."""
     if spec.speculative:
+        if spec.kv_dtype != "auto":
+            raise ConfigError(f"kv_dtype {spec.kv_dtype} does not combine with speculative rollouts, whose dense "
+                              "verification must read unquantized keys: use --kv-dtype auto or --speculative false")
         return SpeculativeSampler(model, spec.draft, spec.draft_tokens, runners=runners)
     return RolloutEngine(model, spec.sparsity, record_evictions=spec.record_evictions,
-                         record_distributions=spec.record_distributions, runners=runners)
+                         record_distributions=spec.record_distributions, runners=runners, kv_dtype=spec.kv_dtype)
 
 
 class SamplerCache:

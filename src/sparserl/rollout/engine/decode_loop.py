@@ -31,6 +31,7 @@ from ...model.shared_prompt import prompt_groups
 from ...model.structure import cache_keyword, positions_from_mask
 from ..batch import EvictionEvent, KVStats
 from ..cache import BufferCache, build_cache
+from ..quantization import KVScales
 from ..sparsity.block_sparse import BlockSelector, BlockSparsity
 from ..sparsity.eviction import compress_rows
 from ..sparsity.policies import KVPolicy
@@ -101,6 +102,7 @@ class DecodeLoop:
         self.compress_watch = Stopwatch(self.device)
         self.kept_columns: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.cache_keyword = cache_keyword(self.model)
+        self.kv_scales: KVScales | None = None  # a quantized cache's scales, per request (`_record_scales`)
 
     @property
     def batch_rows(self) -> int:
@@ -140,7 +142,7 @@ class DecodeLoop:
         group, first = prompt_groups(ids, mask)
         cache = build_cache(self.model, len(first), self.capacities, bool(comp and comp.per_head), self.dtype,
                             self.device, full_capacity=self.full, growth=self.growth,
-                            page_size=self.block.page_size if self.block else 1)
+                            page_size=self.block.page_size if self.block else 1, kv_format=self.engine.kv_format)
         provider = RolloutAttention(cache, comp.window if comp else 0, keep_queries=comp is not None,
                                     keep_mass=bool(comp and self.engine.policy.needs_attention_mass))
         with masked_attention(self.model, provider):
@@ -152,6 +154,7 @@ class DecodeLoop:
                 layer.select_rows(group)
             provider.select_rows(group)
             logits = logits.index_select(0, group)
+        self._record_scales(cache.kv_scales(), requests)
         if self.block:
             # Block attention narrows decode queries only: its page state starts after the prefill.
             provider.selector = BlockSelector(self.block, cache, self.steps, self.width, self.engine.record_evictions)
@@ -176,6 +179,18 @@ class DecodeLoop:
         self.cohorts.append(Cohort(start, count, self._fresh_policy() if comp else None))
         self.cohorts_admitted += 1
         self.admitted += count
+
+    def _record_scales(self, scales: KVScales | None, requests: torch.Tensor) -> None:
+        """Keep the scales a quantized cache fixed at the prefill of `requests` (its rows, in order) for the batch,
+        which the replay reads (None: the cache is not quantized)."""
+        if scales is None:
+            return
+        if self.kv_scales is None:
+            blank = (None if t is None else t.new_zeros(self.requests, *t.shape[1:]) for t in (scales.keys, scales.values))
+            self.kv_scales = KVScales(scales.kv_dtype, *blank)
+        self.kv_scales.keys[requests] = scales.keys
+        if scales.values is not None:
+            self.kv_scales.values[requests] = scales.values
 
     def _fresh_policy(self) -> KVPolicy:
         """A copy of the engine's policy with no state: each cohort keeps its own rows' state."""

@@ -7,16 +7,19 @@ was drawn from (temperature applied, no top-p/top-k). With a `KVCompression` it 
 cache while decoding (a sparse rollout); with a `BlockSparsity` it keeps the whole cache and each
 decode step attends to a budget of pages (`block_sparse.py`); without either it is the dense
 sampler. All run the same code, so a sparse rollout whose budget is never reached is bitwise the
-dense rollout.
+dense rollout. With `kv_dtype` fp8 or int8 the cache stores keys and values quantized (`quantization.py`), alone or
+under any KV policy, and the batch records the scales its exact replay needs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...errors import ConfigError
 from ...model.clock import now
 from ..batch import RolloutBatch, SamplingConfig, left_pad
 from ..cache import build_cache
+from ..quantization import kv_format
 from ..sparsity.block_sparse import BlockSparsity
 from ..sparsity.eviction import KVCompression
 from .decode_loop import DecodeLoop
@@ -37,15 +40,19 @@ class RolloutEngine:
     def __init__(self, model, compression: KVCompression | BlockSparsity | None = None,
                  record_evictions: bool = True, record_distributions: bool = False,
                  release_finished_rows: bool = True, check_every: int = 4,
-                 runners: dict[str, StepRunner] | None = None):
+                 runners: dict[str, StepRunner] | None = None, kv_dtype: str = "auto"):
         """`release_finished_rows=False` keeps every row in the batch until the longest ends (a static
         batch, the engine's shape before rows could leave; `bench/scheduler.py` compares the two).
         `check_every`: decode steps between the loop's reads of which rows ended (each read waits for the device).
         How the static decode step runs is the sampling's `compile_decode` (`step.StepRunner`); `runners`: the
         runners by mode, shared with the samplers before and after this one (the dispatch's `SamplerCache`), so
-        that compilations last the run."""
+        that compilations last the run. `kv_dtype`: auto (the model's dtype), fp8 or int8 (a quantized cache)."""
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
+        self.kv_dtype, self.kv_format = kv_dtype, kv_format(kv_dtype)
+        if self.kv_format is not None and isinstance(compression, BlockSparsity):
+            raise ConfigError(f"kv_dtype {kv_dtype} does not combine with block-sparse attention, which reads the "
+                              "cache's pages unquantized: use --kv-dtype auto or --sparsity eviction")
         self.model = model
         self.runners = runners if runners is not None else {}  # by mode: a runner keeps its compilations
         self.check_every = check_every
@@ -100,8 +107,10 @@ class RolloutEngine:
         stats.kv_peak_bytes = sum(peaks.values())
         out = loop.out
         span = int(out.lengths.max())
+        stats.kv_dtype = self.kv_dtype
         if loop.cache is not None:  # a dense cache of the rows first in flight, prompt width + longest response
-            stats.kv_dense_bytes = loop.cache.slot_bytes() * loop.max_rows * (prompt_ids.shape[1] + span)
+            stats.kv_slot_bytes = loop.cache.slot_bytes()
+            stats.kv_dense_bytes = stats.kv_slot_bytes * loop.max_rows * (prompt_ids.shape[1] + span)
         stats.kept_tokens, stats.evicted_tokens = loop.held, out.fed.float() - loop.held
         if loop.selector is not None:
             stats.attended_frac = loop.selector.attended_frac
@@ -114,7 +123,7 @@ class RolloutEngine:
             rollout_seconds=now(device) - started, kv=stats,
             evictions=loop.evictions(), block_selections=loop.selector.record if loop.selector is not None else None,
             sampler_distribution=out.distributions[:, :span] if out.distributions is not None else None,
-            replayable=self.compression is None or self.record_evictions,
+            replayable=self.compression is None or self.record_evictions, kv_scales=loop.kv_scales,
         )
 
     def capacities(self, width: int, steps: int, num_layers: int) -> list[int]:
@@ -140,9 +149,9 @@ class RolloutEngine:
         capacities = self.capacities(width, steps, self.num_layers)
         full = self.full_capacity(width, steps)
         # An empty cache of one row: its layers know their kinds and capacities and allocate nothing yet.
-        cache = build_cache(self.model, 1, capacities, False, parameter.dtype, parameter.device, full_capacity=full)
-        return sum(layer.max_capacity * 2 * layer.kv_heads * layer.head_dim * parameter.element_size()
-                   for layer in cache.layers)
+        cache = build_cache(self.model, 1, capacities, False, parameter.dtype, parameter.device, full_capacity=full,
+                            kv_format=self.kv_format)
+        return sum(layer.max_capacity * layer.slot_bytes() for layer in cache.layers)
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         return [self.policy.layer_budget(budget, i, num_layers) for i in range(num_layers)]

@@ -99,7 +99,7 @@ def compress_rows(policy: KVPolicy, window: int, cache: BufferCache, attention, 
 
         masses = attention.mass
         inputs = ScoringInputs(
-            keys=stacked(lambda i: cache.layers[i].keys[block, :, :length]),
+            keys=stacked(lambda i: cache.layers[i].read_keys(block, length)),  # dequantized, if quantized
             queries=stacked(lambda i: attention.queries[i][block]),
             query_real=attention.window_real[block].repeat(len(layers), 1),
             real=stacked(lambda i: cache.layers[i].real[block, :, :length]),

@@ -8,15 +8,22 @@ forward of the model (`model.forward.response_hidden(..., masks=...)`, which may
 reproduces the sampler's log-probs (to float32 rounding) with gradients available, which DistillSparse
 trains through and α rebuilds the sampler's distributions with. A block-sparse rollout records instead the
 pages each decode query attended (`BlockSelections`), which narrow those query rows of the dense causal mask.
+
+A rollout sampled through a quantized cache (`--kv-dtype`) records its rows' scales (`KVScales`): its replay also
+passes every layer's keys and values through the same quantization (`quantization.KVFakeQuant`). `sampler_replay`
+returns both, masks and that transform, as one `SamplerView`: what every replay forward takes, so that no caller
+replays the masks without the quantization (`sampler_masks`, masks alone, refuses a quantized batch).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...model.attention import SamplerView
 from ...model.shared_prompt import causal_masks
 from ...model.structure import layer_windows, text_config
 from ..batch import EvictionEvent, RolloutBatch
+from ..quantization import KVFakeQuant
 from .block_sparse import BlockSelections
 
 
@@ -54,11 +61,28 @@ def replay_masks(attention_mask: torch.Tensor, events: list[EvictionEvent], num_
     return masks
 
 
+def sampler_replay(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None) -> SamplerView:
+    """Everything a teacher-forced forward of `batch`'s rows `rows` (all when None) needs to reproduce their
+    sampler: the masks of what each query saw (`sampler_masks`) and, for a quantized cache, the quantization of
+    every layer's keys and values with the rows' recorded scales. Pass it as `model.forward.response_hidden`'s
+    `masks`."""
+    rows = slice(None) if rows is None else rows
+    scales = batch.kv_scales
+    return SamplerView(_masks(model, batch, rows), KVFakeQuant(scales.rows(rows)) if scales is not None else None)
+
+
 def sampler_masks(model, batch: RolloutBatch, rows: slice | torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per layer `[n, Hs, S, S]`, what each query of `batch`'s rows `rows` saw in the sparse sampler (its
     eviction record or page selections over the column layout): pass them to `model.forward.response_hidden`,
-    whose forward then reproduces the sampler."""
-    rows = slice(None) if rows is None else rows
+    whose forward then reproduces the sampler. A batch sampled through a quantized cache is refused: its replay is
+    `sampler_replay`'s."""
+    if batch.kv_scales is not None:
+        raise ValueError(f"this batch was sampled through a {batch.kv_scales.kv_dtype} KV cache: masks alone do not "
+                         "replay it; use rollout.sparsity.replay.sampler_replay (masks and the K/V quantization)")
+    return _masks(model, batch, slice(None) if rows is None else rows)
+
+
+def _masks(model, batch: RolloutBatch, rows: slice | torch.Tensor) -> list[torch.Tensor]:
     config = text_config(model)
     events = [EvictionEvent(e.first_column, e.layer, e.kept_columns[rows]) for e in batch.evictions]
     blocks = batch.block_selections.rows(rows) if batch.block_selections is not None else None
