@@ -21,7 +21,7 @@ import torch
 
 from ..model.forward import hidden_logprobs, micro_batches, response_hidden
 from ..rollout.batch import RolloutBatch
-from ..rollout.sparsity.replay import sampler_masks
+from ..rollout.sparsity.replay import sampler_replay
 
 
 class SamplerForward:
@@ -71,7 +71,7 @@ class SamplerForward:
         width = shard.prompt_ids.shape[1]
         ids, mask = shard.input_ids[rows], shard.attention_mask[rows]
         # The one question this mode asks of the replay: what these rows' sampler attended.
-        seen = sampler_masks(model, shard, rows)
+        seen = sampler_replay(model, shard, rows)
         hidden = response_hidden(model, ids, mask, width, self.share_prompts, masks=seen)
         return hidden_logprobs(model, hidden, ids[:, width:], with_entropy, self.temperature)
 
