@@ -1,13 +1,14 @@
 """The quantized-KV study's tables (docs/results/quantized.md), from the runs `run.sh` writes under runs/quantized/.
 
     python docs/results/quantized/table.py            # prints the tables; writes table.md and records.json here
+    python docs/results/quantized/table.py --seeds 0  # only those seeds (finished or not)
 
-Per cell (seeds found, partial runs marked): the regime at the start (step 0's greedy gap, dense − sparse inference of
+Per cell (seeds found, partial runs marked; mean (min to max) over them): the regime at the start (step 0's greedy gap, dense − sparse inference of
 the start model on the 200 held-out prompts; step 1's ξ 1% quantile, α tail and the share of rollouts the 1e-4 veto
 flags), the peak KV bytes over training against the dense run's of the same seed (float32, as measured) and against a
 bf16 dense cache (the same slots in a bf16 model's formats, computed from the measured bytes: auto halves, fp8 is
 unchanged, int8's per-token value scales halve), and after training the held-out accuracy under dense and under
-sparse inference, mean (min–max) over seeds, with per-seed paired differences: under dense inference against the
+sparse inference, with per-seed paired differences: under dense inference against the
 dense run, under sparse inference against the dense-trained model under the same sparse inference (`run.sh`'s
 `dense_model_under/`; for R-KV 56 alone, the dense run's own sparse-inference figure). records.json keeps every
 per-seed figure, so the table survives the runs' removal.
@@ -112,7 +113,7 @@ def spread(values: list[float], form: str | None) -> str:
     mean = show(statistics.mean(values))
     if len(values) == 1 or min(values) == max(values):
         return mean
-    return f"{mean} ({show(min(values))}–{show(max(values))})"
+    return f"{mean} ({show(min(values))} to {show(max(values))})"
 
 
 def xi(value: float) -> str:
@@ -138,10 +139,15 @@ def paired(values: list[tuple[float | None, float | None]]) -> str:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default: 0,1,2)")
+    seeds = [int(s) for s in parser.parse_args().seeds.split(",") if s.strip()]
     shapes = _model_shapes()
-    found = {cell: [f for f in (run_figures(cell, s, shapes) for s in SEEDS) if f is not None] for cell in CELLS}
+    found = {cell: [f for f in (run_figures(cell, s, shapes) for s in seeds) if f is not None] for cell in CELLS}
     dense = {f["seed"]: f for f in found["dense"]}
-    lines = ["Regime at the start (per cell; mean (min–max) over the seeds found):", "",
+    lines = ["Regime at the start (per cell; mean (min to max) over the seeds found):", "",
              "| cell | sampler | seeds (done / started) | step-0 greedy gap, dense − sparse inf. (points) "
              "| step-1 ξ q01 | step-1 α tail | step-1 veto flagged | mean step s |",
              "|---|---|---|---|---|---|---|---|"]
