@@ -133,6 +133,7 @@ def test_the_dense_recompute_runs_sdpa_and_matches_eager_attention(tiny_model_di
     torch.testing.assert_close(fast, eager, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # 56 s; the paper-rollout bench's dry run stays in the default suite
 def test_the_gpu_smoke_script_runs_as_a_cpu_dry_run(tmp_path):
     # GPU sessions are rare here: the script must not go stale between them. Same steps, CPU, short.
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_smoke.sh"
@@ -145,6 +146,7 @@ def test_the_gpu_smoke_script_runs_as_a_cpu_dry_run(tmp_path):
     assert [row.split("|")[2].strip() for row in rows] == ["dense", "rkv B=32"]
 
 
+@pytest.mark.slow  # 20 s; the paper-rollout bench's dry run stays in the default suite
 def test_the_gpu_decode_bench_runs_as_a_cpu_dry_run(tmp_path):
     """`bench/gpu_decode.py --device cpu --small`: every cell, the peer and the ξ baselines run, and the table says
     no host read in the decode steps it counted."""

@@ -132,6 +132,7 @@ def test_training_checkpoints_the_adapter_apart_and_resumes_exactly(tiny_model_d
     assert adapter and all("lora_" in k for k in adapter)
 
 
+@pytest.mark.slow  # 22 s; test_training_checkpoints_the_adapter_apart_and_resumes_exactly stays in the suite
 def test_sigkill_then_resume_repeats_the_uninterrupted_run_adapter_included(tiny_model_dir, tmp_path):
     steps = 12
     assert main(_train(tiny_model_dir, tmp_path / "straight", steps)) == 0

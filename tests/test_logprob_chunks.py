@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import make_tiny_model
 
@@ -63,6 +64,7 @@ def _peak_rss_mib(*modes: str) -> list[int]:
     return peaks
 
 
+@pytest.mark.slow  # 120 s; the chunked log-probs' values are checked on small vocabularies above
 def test_a_128k_vocabulary_update_and_alpha_stay_within_memory():
     # 8 × 512 response tokens × 128k float32 logits are 2 GB by themselves; the unchunked path
     # holds several such tensors (≈ 6.4 GB measured), the chunked one one chunk at a time (≈ 0.65 GB).

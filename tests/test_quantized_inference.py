@@ -162,3 +162,30 @@ def test_the_audit_samples_through_the_kv_storage(tmp_path):
                  "1", "--difficulty", "12"]) == 0
     kv = json.loads(out.read_text())["kv"]
     assert kv["kv_dtype"] == "int8" and kv["kv_slot_bytes"] == 3 * (2 * 2 * 32 + 2 * 4)  # built-in: 3 layers, 2 x 32
+
+
+def test_nemo_fp8_trains_through_a_full_fp8_cache_with_token_tis_at_two(tmp_path):
+    """The field's preset on the built-in model: nothing evicted, every slot one byte an element (3 layers x K and V x
+    2 KV heads x 32), ξ measured against the dense recompute, and each token's weight min(ξ, 2), not normalised."""
+    out = tmp_path / "run"
+    assert main(["train", "--mode", "nemo-fp8", "--out", str(out), "--steps", "1", "--prompts-per-step", "2",
+                 "--group-size", "4", "--difficulty", "12", "--max-new-tokens", "24", "--eval-every", "0",
+                 "--threads", "1", "--log-with", "none"]) == 0
+    record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"reward_mean"' in line][0]
+    assert record["kv_slot_bytes"] == 3 * 2 * 2 * 32 and record["kv_compressions"] == 0
+    assert record["kv_kept_frac"] == 1 and record["kv_evicted_tokens_mean"] == 0
+    assert record["xi_min"] < 1 - 1e-4  # the fp8 cache is a mismatch, measured
+    assert record["rejected_sequences"] == 0 and record["kept_token_frac"] == 1
+    assert record["weight_max"] == pytest.approx(min(record["xi_max"], 2.0), rel=1e-6)
+    assert record["is_batch_norm_factor"] == 1
+
+
+def test_a_dense_mode_is_refused_a_quantized_sampler_and_budget_commands_a_full_cache(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "r"), "--mode", "dense", "--kv-dtype", "fp8", "--steps", "1"]) == 2
+    assert "mode dense samples densely and corrects nothing" in capsys.readouterr().err
+    for command in (["audit", "--kv-dtype", "fp8"], ["sweep", "--budgets", "64", "--kv-dtypes", "fp8"]):
+        assert main([*command, "--out", str(tmp_path / "x.json"), "--sparsity", "none",
+                     "--n", "2", "--threads", "1"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert f"sparserl {command[0]} works on a KV budget, and --sparsity none keeps every token" in error

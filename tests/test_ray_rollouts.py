@@ -55,6 +55,7 @@ def _comparable(path, drop=frozenset()):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS | drop} for r in read_metrics(path / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # 53 s; workers = in-process stays in the default suite (built-in model)
 def test_two_workers_equal_in_process_shards_with_distill_sparse_and_resume(local_ray, tiny_model_dir, tmp_path):
     common = {"distill_sparse": "true", "distill_rank": 2}
     local = _settings(tiny_model_dir, tmp_path / "local", rollout_shards=2, **common)
@@ -83,6 +84,7 @@ def test_the_built_in_model_samples_on_workers_as_in_process(local_ray, tmp_path
     assert _comparable(tmp_path / "local") == _comparable(tmp_path / "workers")
 
 
+@pytest.mark.slow  # 17 s
 def test_a_worker_samples_with_the_drivers_thread_count(local_ray, tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(load_config(None, _settings(tiny_model_dir, tmp_path / "run", rollout_workers=2,
                                                       threads=2)))
@@ -95,6 +97,7 @@ def test_a_worker_samples_with_the_drivers_thread_count(local_ray, tiny_model_di
     assert counts == [2, 2]
 
 
+@pytest.mark.slow  # 20 s
 def test_speculative_rollouts_on_workers_are_the_exact_dense_samples_of_in_process(local_ray, tiny_model_dir,
                                                                                    tmp_path):
     """Workers build the speculative sampler the config asks for (not a plain or block-sparse engine): the same
@@ -114,6 +117,7 @@ def test_speculative_rollouts_on_workers_are_the_exact_dense_samples_of_in_proce
         assert abs(record["xi_min"] - 1) < 1e-5 and abs(record["xi_max"] - 1) < 1e-5  # exact dense samples
 
 
+@pytest.mark.slow  # 18 s
 def test_workers_hold_the_sampler_adapter_and_no_optimizer(local_ray, tiny_model_dir, tmp_path):
     def _optimizers_held(worker) -> tuple[bool, int]:
         """In a worker (nested, so that Ray ships it by value): whether it holds the adapter, and
@@ -151,7 +155,7 @@ def _trainer_with_fault(settings: dict, fault) -> tuple[GRPOTrainer, threading.T
     return trainer, thread
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "hang"])
+@pytest.mark.parametrize("fault", ["sigkill", pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_lost_worker_is_replaced_and_its_shard_sampled_again(local_ray, tiny_model_dir, tmp_path, fault):
     # Long responses, so that the fault lands while the shards are being sampled.
     long = {"max_new_tokens": 160, "ignore_eos": "true", "eval_every": 0, "checkpoint_every": 2}

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from sparserl.cli import main
 from sparserl.config.schema import load_config
 from sparserl.train.metrics import read_metrics
@@ -84,6 +85,7 @@ def test_a_trainer_killed_during_a_reward_call_leaves_no_worker_and_can_resume(t
     assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow  # 13 s; Ctrl-C at a step boundary stays in the default suite (test_hardening.py)
 def test_ctrl_c_during_a_reward_call_is_answered_by_the_trainer_alone(tiny_model_dir, tmp_path):
     trainer, _ = _start_hanging(_train(tiny_model_dir, tmp_path, steps=3), tmp_path, hang_s=1.5,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

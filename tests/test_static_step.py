@@ -51,7 +51,8 @@ def _same(a, b) -> None:
     assert a.kv.kv_peak_bytes == b.kv.kv_peak_bytes
 
 
-@pytest.mark.parametrize("sparsity", ["dense", "rkv", "h2o", "block"])
+@pytest.mark.parametrize("sparsity", ["dense", "rkv", pytest.param("h2o", marks=pytest.mark.slow),
+                                      pytest.param("block", marks=pytest.mark.slow)])
 def test_the_compiled_step_has_no_graph_break_and_samples_as_the_eager_one(tiny, sparsity):
     """`torch.compile(fullgraph=True, dynamic=False)` raises at the first graph break, so a rollout that runs compiled
     proves the step has none; its tokens are the eager step's and its log-probs agree to float rounding (the

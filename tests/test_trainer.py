@@ -47,6 +47,7 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tiny_model_dir, t
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.slow  # 37 s; resume equality stays in the default suite (test_resume_gives_the_same_metrics_...)
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
     steps = 24
     assert main(_args(tiny_model_dir, tmp_path / "straight", steps)) == 0

@@ -8,18 +8,22 @@
 #   fp8        kv_dtype fp8,  --kv-budget 4096   (quantization alone: no row of the task reaches 4096 tokens, so the
 #   int8       kv_dtype int8, --kv-budget 4096    sampler never evicts; its cache is then the dense one, quantized)
 #   rkv56-fp8  R-KV B = 56 with kv_dtype fp8     (both)
+#   nemo-fp8   --modes nemo-fp8                  (the field's preset: a full FP8 cache, token TIS at cap 2,
+#                                                 beside fp8's full FP8 cache under geo-rs)
 #
 # Each cell is a `sparserl compare` directory under runs/quantized/ (resumable: a finished run is skipped, an
 # interrupted one resumes from its checkpoint). Seed 0 of every cell first, then seed 1, then seed 2. After each
 # seed's dense run, the dense-trained model is also evaluated under each quantized cell's sparse inference
 # (`sparserl eval`, same 200 held-out prompts), to tell what training with the quantized sampler adds over serving a
 # dense-trained model through it. A failed job is logged and the others go on; rerun the script to retry it.
-# About 15 minutes a run on one loaded core (15 runs). Then: python docs/results/quantized/table.py
+# About 15 minutes a run on one loaded core (18 runs). CELLS and SEEDS pick a subset, in their order. Then:
+# python docs/results/quantized/table.py
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export OMP_NUM_THREADS=1
 out=${QUANTIZED_OUT:-runs/quantized}
 seeds=${SEEDS:-0 1 2}
+cells=${CELLS:-dense rkv56 fp8 int8 rkv56-fp8 nemo-fp8}
 bin=.venv/bin/sparserl
 mkdir -p "$out"
 failed=()
@@ -31,11 +35,12 @@ cell_flags() {
     fp8) echo "--modes geo-rs --kv-dtype fp8 --kv-budget 4096" ;;
     int8) echo "--modes geo-rs --kv-dtype int8 --kv-budget 4096" ;;
     rkv56-fp8) echo "--modes geo-rs --kv-dtype fp8" ;;
+    nemo-fp8) echo "--modes nemo-fp8" ;;  # the preset sets --sparsity none --kv-dtype fp8
   esac
 }
 
 for seed in $seeds; do
-  for cell in dense rkv56 fp8 int8 rkv56-fp8; do
+  for cell in $cells; do
     # shellcheck disable=SC2046
     if ! $bin compare --out "$out/$cell" --config configs/stress-regime.yaml $(cell_flags "$cell") \
         --seeds "$seed" --threads 1 --log-with none >"$out/$cell.seed$seed.log" 2>&1; then

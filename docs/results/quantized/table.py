@@ -33,6 +33,7 @@ CELLS = {
     "fp8": ("geo-rs", "fp8, no eviction", "fp8", "fp8"),
     "int8": ("geo-rs", "int8, no eviction", "int8", "int8"),
     "rkv56-fp8": ("geo-rs", "R-KV B = 56 + fp8", "fp8", "rkv56-fp8"),
+    "nemo-fp8": ("nemo-fp8", "fp8, no eviction; token TIS at 2 (NeMo-RL)", "fp8", "fp8"),
 }
 
 

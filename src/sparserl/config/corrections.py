@@ -95,6 +95,11 @@ class CorrectionConfig:
         return cls(veto_threshold=None, band=None, seq_geo_bounds=(low, high), is_cap=cap, batch_normalize=False)
 
     @classmethod
+    def token_tis(cls, cap: float = 2.0) -> CorrectionConfig:
+        """Token-level TIS alone, min(ξ, cap) per token, not normalised: NeMo-RL's correction of an FP8 KV cache."""
+        return cls(veto_threshold=None, band=None, is_cap=cap, batch_normalize=False)
+
+    @classmethod
     def prefix_veto_tis(cls, veto: float = 1e-4) -> CorrectionConfig:
         """The reference's TIS with a prefix veto: tokens from the first ξ < veto onward are masked."""
         return cls(veto_threshold=veto, veto_scope="prefix", band=None)

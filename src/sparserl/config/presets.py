@@ -6,10 +6,12 @@
     base: geo-rs                 # optional: start from a built-in preset
     sparse_rollouts: true        # optional when `base` is given
     learner_attention: dense     # optional: dense (the default) or sampler (see below)
+    rollout: {kv_dtype: fp8}     # optional: the sampler's kind (sparsity, kv_dtype), unless the run sets it
     correction: {seq_geo_bounds: [0.8, 1.25], is_mode: truncate}
 
-The preset sets every correction field; a field given in the config file or on the command line
-(`--veto-threshold`, `--band`, ...) overrides it. `sparse-rl` is the reference and stays as the
+The preset sets every correction field, and the rollout fields that make its sampler what it is (`nemo-fp8`: a
+full cache stored as FP8); a field given in the config file or on the command line (`--veto-threshold`,
+`--kv-dtype`, ...) overrides it. `sparserl presets` shows each preset's source. `sparse-rl` is the reference and stays as the
 paper has it; the `sparrow` preset carries the recommended correction (docs/results.md).
 
 A preset also says what the learner's forwards attend to (`learner_attention`): "dense", the plain causal
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +39,8 @@ from .values import coerce
 
 
 LEARNER_ATTENTIONS = ("dense", "sampler")
+# The rollout fields a preset may set: what kind of sampler it is, not how large its budget is.
+PRESET_ROLLOUT_FIELDS = ("sparsity", "kv_dtype")
 
 
 class PresetError(ConfigError):
@@ -58,8 +62,18 @@ class Preset:
     # What π_old, π_θ (the loss and its gradient) and π_ref attend to: "dense" (the full context) or "sampler" (the
     # sparse sampler's replayed attention: the loss's ratio starts at 1, `learner.sampler_forward`).
     learner_attention: Literal["dense", "sampler"] = "dense"
+    # Rollout fields (of PRESET_ROLLOUT_FIELDS) the mode samples with unless the run sets them.
+    rollout: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""  # where the recipe comes from ("ours" for this project's own)
 
     def __post_init__(self) -> None:
+        unknown = set(self.rollout) - set(PRESET_ROLLOUT_FIELDS)
+        if unknown:
+            raise PresetError(f"mode {self.name}: a preset's rollout sets only {', '.join(PRESET_ROLLOUT_FIELDS)}; "
+                              f"got {', '.join(sorted(unknown))}")
+        if self.rollout and not self.sparse_rollouts:
+            raise PresetError(f"mode {self.name}: rollout settings make a sparse sampler, and this preset samples "
+                              "densely: set sparse_rollouts: true")
         if self.learner_attention not in LEARNER_ATTENTIONS:
             raise PresetError(f"mode {self.name}: learner_attention must be dense or sampler, "
                               f"got {self.learner_attention!r}")
@@ -96,32 +110,46 @@ def mode_with_role(role: str) -> str:
 
 # The recommended correction (role="recommended") was chosen on the built-in experiment (docs/results.md,
 # "Corrections").
+SPARSE_RL = "Sparse-RL (github.com/lsjia/Sparse-RL)"
+VERL = "verl's rollout corrections (rollout_rs: geometric mean, seq_mean_k3)"
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     _builtin("dense", False, CorrectionConfig.off, "dense rollouts, no correction (the baseline)", "#1f77b4",
-             role="baseline", compared_by_default=True),
+             role="baseline", compared_by_default=True, source="GRPO"),
     _builtin("naive-sparse", True, CorrectionConfig.off, "sparse rollouts, no correction", "#d62728",
-             role="uncorrected", compared_by_default=True),
+             role="uncorrected", compared_by_default=True, source=f"{SPARSE_RL}, its uncorrected baseline"),
     _builtin("sparse-rl", True, CorrectionConfig.sparse_rl,
              "Sparse-RL as published: sequence veto 1e-4, band [0.5, 1.5], batch-normalised TIS", "#2ca02c",
-             role="published", compared_by_default=True),
-    _builtin("sparse-tis", True, CorrectionConfig.sparse_tis, "Sparse-RL's importance weights alone", "#ff7f0e"),
-    _builtin("sparse-rs", True, CorrectionConfig.sparse_rs, "Sparse-RL's rejection alone (veto and band)", "#9467bd"),
+             role="published", compared_by_default=True, source=SPARSE_RL),
+    _builtin("sparse-tis", True, CorrectionConfig.sparse_tis, "Sparse-RL's importance weights alone", "#ff7f0e",
+             source=f"ours: an ablation of {SPARSE_RL}"),
+    _builtin("sparse-rs", True, CorrectionConfig.sparse_rs, "Sparse-RL's rejection alone (veto and band)", "#9467bd",
+             source=f"ours: an ablation of {SPARSE_RL}"),
     _builtin("geo-rs", True, CorrectionConfig.geo_rs, "verl's Geo-RS: geometric-mean sequence filter plus veto",
-             "#e377c2", role="recommended"),
-    _builtin("k3-rs", True, CorrectionConfig.k3_rs, "verl's seq_mean_k3: mean-k3 sequence filter", "#7f7f7f"),
+             "#e377c2", role="recommended", source=f"{VERL}; bounds ours"),
+    _builtin("k3-rs", True, CorrectionConfig.k3_rs, "verl's seq_mean_k3: mean-k3 sequence filter", "#7f7f7f",
+             source=f"{VERL}; bound ours"),
     _builtin("seq-mask-tis", True, CorrectionConfig.seq_mask_tis,
-             "OpenRLHF/NeMo-RL seq-mask-tis: geometric-mean sequence mask plus token TIS", "#bcbd22"),
+             "OpenRLHF/NeMo-RL seq-mask-tis: geometric-mean sequence mask plus token TIS", "#bcbd22",
+             source="NeMo-RL's ProRLv2 guide and OpenRLHF (seq-mask-tis); bounds ours"),
     _builtin("prefix-veto-tis", True, CorrectionConfig.prefix_veto_tis,
-             "Sparse-RL's TIS with a prefix veto: mask from the first ξ < 1e-4 onward", "#17becf"),
+             "Sparse-RL's TIS with a prefix veto: mask from the first ξ < 1e-4 onward", "#17becf",
+             source=f"ours, after {SPARSE_RL}"),
+    _builtin("nemo-fp8", True, CorrectionConfig.token_tis,
+             "the field's quantized rollouts: nothing evicted, keys and values stored as FP8 (e4m3), token-level "
+             "TIS at cap 2; scales here per row from its prompt (NeMo-RL recomputes per-tensor scales each step)",
+             "#98df8a", rollout={"sparsity": "none", "kv_dtype": "fp8"},
+             source="NeMo-RL pull request 1212 (github.com/NVIDIA-NeMo/RL: FP8 KV cache in GRPO rollouts, "
+                    "token-level TIS with C = 2); verl pull request 4435 and slime ship the same"),
     _builtin("sparse-learner", True, CorrectionConfig.off,
              "the learner trains through the sampler's attention (π_old, π_θ and π_ref by its exact replay): the "
              "loss's ratio is 1, nothing to correct; the idea of awslabs' keys_values (H2O in rollout and learner)",
-             "#393b79", learner_attention="sampler"),
+             "#393b79", learner_attention="sampler", source="awslabs/keys_values (GRPO through an H2O cache)"),
 )}
 RECOMMENDED = mode_with_role("recommended")
 PRESETS["sparrow"] = Preset("sparrow", True, PRESETS[RECOMMENDED].correction,
                             f"scheduled sparse rollouts (--kv-schedule) with the recommended correction ({RECOMMENDED})",
-                            needs_schedule=True, colour="#8c564b")
+                            needs_schedule=True, colour="#8c564b",
+                            source="Sparrow (github.com/Infini-AI-Lab/Sparrow): its budget schedule; correction ours")
 DEFAULT_COMPARE = tuple(name for name, preset in PRESETS.items() if preset.compared_by_default)
 
 
@@ -146,11 +174,15 @@ def load_preset(mode: str) -> Preset:
         correction = with_fields(inherited.correction, overrides)
     except ConfigError as error:
         raise PresetError(f"preset file {path}: correction: {error}") from None
+    rollout = data.get("rollout") or {}
+    if not isinstance(rollout, dict):
+        raise PresetError(f"preset file {path}: rollout must map {' or '.join(PRESET_ROLLOUT_FIELDS)} to values")
     try:
         return Preset(name=str(data.get("name") or path.stem), sparse_rollouts=sparse, correction=correction,
                       summary=str(data.get("summary", f"user preset from {path}")),
                       needs_schedule=inherited.needs_schedule,
-                      learner_attention=data.get("learner_attention", inherited.learner_attention))
+                      learner_attention=data.get("learner_attention", inherited.learner_attention),
+                      rollout={**inherited.rollout, **rollout}, source=str(data.get("source", path)))
     except PresetError as error:
         raise PresetError(f"preset file {path}: {error}") from None
 
@@ -167,10 +199,11 @@ def _preset_file(mode: str, path: Path) -> dict:
         raise PresetError(f"preset file {path} is not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise PresetError(f"preset file {path} must hold a mapping (name, base, sparse_rollouts, correction)")
-    unknown = set(data) - {"name", "base", "sparse_rollouts", "learner_attention", "correction", "summary"}
+    allowed = ("name", "base", "sparse_rollouts", "learner_attention", "rollout", "correction", "summary", "source")
+    unknown = set(data) - set(allowed)
     if unknown:
         raise PresetError(f"preset file {path}: unknown keys {', '.join(sorted(unknown))}; "
-                          "allowed: name, base, sparse_rollouts, learner_attention, correction, summary")
+                          f"allowed: {', '.join(allowed)}")
     return data
 
 
@@ -257,10 +290,12 @@ def describe(correction: CorrectionConfig) -> str:
 
 def presets_table() -> str:
     """The built-in presets as a Markdown table (`sparserl presets`)."""
-    rows = ["| mode | rollouts | corrections | what it is |", "|---|---|---|---|"]
+    rows = ["| mode | rollouts | corrections | what it is | source |", "|---|---|---|---|---|"]
     for preset in PRESETS.values():
         rollouts = "sparse, scheduled" if preset.needs_schedule else "sparse" if preset.sparse_rollouts else "dense"
+        rollouts += "".join(f"; {key} {value}" for key, value in preset.rollout.items())
         if preset.learner_attention == "sampler":
             rollouts += "; learner through the same attention"
-        rows.append(f"| `{preset.name}` | {rollouts} | {describe(preset.correction)} | {preset.summary} |")
+        rows.append(f"| `{preset.name}` | {rollouts} | {describe(preset.correction)} | {preset.summary} | "
+                    f"{preset.source} |")
     return "\n".join(rows)

@@ -72,7 +72,7 @@ class RolloutConfig:
     calibration_samples: int = 4  # sampled rollouts per calibration prompt
     kv_per_head: bool = False  # false: one kept set per layer, scores summed over KV heads (reference); true: per head
     kv_dtype: Literal["auto", "fp8", "int8"] = "auto"  # how the rollout's KV cache stores keys and values, alone or under any KV policy: auto (the model's dtype), fp8 (e4m3, a scale per layer and KV head fixed per rollout from the prompt) or int8 (KIVI: keys per channel, values per token); 1 byte an element, half a bf16 cache. The batch records its scales, so the learner's replay (alpha, DistillSparse) stays exact; not with block sparsity or speculative rollouts
-    sparsity: Literal["eviction", "block"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads)
+    sparsity: Literal["eviction", "block", "none"] = "eviction"  # eviction: the KV policy drops tokens (saves memory); block: full KV kept, each decode step attends to kv_budget tokens in 16-token pages (saves attention reads); none: every token kept and attended, so the sampler differs from dense only by its storage (--kv-dtype fp8|int8: a quantized full cache, as mode nemo-fp8 runs it)
     block_page_size: int = 16  # block: tokens per page
     block_dense_layers: int = 2  # block: the first layers attend densely
     speculative: bool = False  # lossless rollouts: a sparse draft (speculative_draft, kv_budget) proposes draft_tokens tokens, the dense model verifies them. Buys exact dense samples, so no mismatch to correct; costs speed: measured at 0.16-0.27x dense's tokens/s on one H200 (4096-8192 tokens, 64-512 rows) and 0.69-1.12x by CPU time on a 2-core CPU (1024-4096 tokens, 32 rows), docs/benchmarks.md
@@ -301,6 +301,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"unknown config key {key!r}{hint}; `sparserl train --help` lists them all")
         section, annotation, _ = index[name]
         sections[section][name] = coerce(raw, annotation, name)
+    # A preset's sampler (nemo-fp8: a full cache stored as FP8) unless the file or the flags set those fields.
+    preset = load_preset(sections["train"].get("mode", TrainConfig.mode))
+    for name, value in preset.rollout.items():
+        sections["rollout"].setdefault(name, coerce(value, index[name][1], name))
     try:
         built = {name: cls(**sections[name]) for name, cls in _sections().items() if name != "correction"}
         built["correction"] = correction_for(built["train"].mode, sections["correction"])

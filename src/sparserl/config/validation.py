@@ -65,6 +65,7 @@ def validate(config) -> None:
     _validate_kv_policy(config.rollout)
     _validate_recalibration(config.rollout)
     _validate_block(config.rollout)
+    _validate_full_cache(config.rollout)
     _validate_speculative(config)
     _validate_kv_dtype(config.rollout)
     _validate_workers(config.rollout)
@@ -118,6 +119,12 @@ def _validate_block(rollout) -> None:
     if rollout.sparsity == "block" and rollout.kv_budget < always:
         raise ConfigError(f"--sparsity block: kv_budget ({rollout.kv_budget}) must cover the first and the 2 most "
                           f"recent pages, at least 3 x block_page_size = {always} tokens")
+
+
+def _validate_full_cache(rollout) -> None:
+    if rollout.sparsity == "none" and (rollout.kv_schedule or rollout.recalibrate_every):
+        raise ConfigError("--sparsity none keeps every token, so there is no budget for --kv-schedule or "
+                          "--recalibrate-every to set (mode sparrow schedules one); use --sparsity eviction or block")
 
 
 def _validate_speculative(config) -> None:

@@ -26,7 +26,7 @@ from ..rollout.batch import KVStats, SamplingConfig
 from ..rollout.dispatch.scheduler import schedule_rollouts
 from ..rollout.engine.engine import RolloutEngine
 from ..rollout.sparsity.replay import replay_masks
-from ..rollout.sparsity.settings import sparsity_from_config
+from ..rollout.sparsity.settings import budgeted_sparsity
 from ..tasks.pointer_walk import first_error_hop, needed_source
 from ..train.evaluation import decode_responses
 from .eval import held_out
@@ -43,7 +43,7 @@ def run_audit(config, n: int, batch_size: int = 100) -> dict:
         raise ConfigError("sparserl audit reads the pointer walk's structure; use --task pointer_walk")
     setup = held_out(config, n)
     model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
-    compression = sparsity_from_config(config.rollout)
+    compression = budgeted_sparsity(config.rollout, "sparserl audit")
     # The sparse sampler as training runs it: its KV policy and its KV storage (a quantized cache, `kv_dtype`).
     engine = RolloutEngine(model, compression, record_evictions=True, kv_dtype=config.rollout.kv_dtype)
     limits = setup.limits.for_inference()

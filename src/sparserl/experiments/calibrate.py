@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..rollout.batch import KVStats, kv_saved
 from ..rollout.sparsity.budgets import BinnedBudget
-from ..rollout.sparsity.settings import sparsity_from_config
+from ..rollout.sparsity.settings import budgeted_sparsity
 from ..train.calibration import calibrate_schedule
 from ..train.evaluation import complete
 from ..train.layout import CALIBRATION_FILE, CALIBRATION_PLOT_FILE, CALIBRATION_TABLE_FILE, SCHEDULE_FILE
@@ -71,7 +71,8 @@ def _kv_figures(setup: HeldOut, config, examples, samples: int, schedule_file: P
     KV saved: of rollouts sampled as the calibration samples them (as training does: its temperature, `samples`
     per prompt, its seed), and of greedy ones (as `eval` decodes: one per prompt), which stop sooner and may need
     no eviction at all. With the longest sequence (prompt and response tokens) the dense sampled rollouts wrote."""
-    scheduled = sparsity_from_config(dataclasses.replace(config.rollout, kv_schedule=str(schedule_file)))
+    scheduled = budgeted_sparsity(dataclasses.replace(config.rollout, kv_schedule=str(schedule_file)),
+                                  "sparserl calibrate")
     figures: dict = {}
     for suffix, temperature, count in (("", config.rollout.temperature, samples), ("_greedy", 0.0, 1)):
         peaks = {}

@@ -144,7 +144,7 @@ def _final_eval(trainer: GRPOTrainer, mode: str, run_dir: Path) -> None:
     # inference also stores the cache as the run's sampler did (`kv_dtype`).
     for inference, compression, kv_dtype in (("dense", None, "auto"),
                                              ("sparse", parts.compression, config.rollout.kv_dtype)):
-        with parts.sampler() if compression else contextlib.nullcontext():  # DistillSparse's adapter, if any
+        with parts.sampler() if inference == "sparse" else contextlib.nullcontext():  # DistillSparse's adapter
             result[inference] = evaluate_policy(parts.model, parts.tokenizer, parts.task, parts.eval_examples,
                                                 parts.max_new_tokens, compression, samples=0,
                                                 temperature=config.rollout.temperature, seed=config.train.seed,

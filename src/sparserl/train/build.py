@@ -67,7 +67,7 @@ class RunParts:
     eval_rewards: RewardRunner
     optimizer: torch.optim.Optimizer
     state: TrainerState
-    compression: KVCompression | BlockSparsity
+    compression: KVCompression | BlockSparsity | None  # None: --sparsity none (a full cache, maybe quantized)
     sparse: bool
     learner_attention: str
     sampler_spec: SamplerSpec
@@ -88,6 +88,7 @@ def build_run(config: ExperimentConfig, run_dir: Path, checkpoint: Path | None) 
     """The run's parts, from scratch or from `checkpoint` (its weights, optimizer, counters and budgets).
     The order of the steps is the order of their draws from torch's seeded generator: keep it."""
     check_learner_attention(config)  # before any model loads
+    _check_dense_storage(config)
     torch.manual_seed(config.train.seed)
     device = resolve_device(config.model.device)
     model, tokenizer, reference = _policy(config, checkpoint, device)
@@ -122,6 +123,16 @@ def build_run(config: ExperimentConfig, run_dir: Path, checkpoint: Path | None) 
         learner_attention=preset.learner_attention, sampler_spec=sampler_spec,
         shards=config.rollout.rollout_shards or max(1, config.rollout.rollout_workers),
         row_limits=RowLimits.from_rollout_config(config.rollout, device), hooks=_hooks(config, adaptive, distill))
+
+
+def _check_dense_storage(config: ExperimentConfig) -> None:
+    """A quantized cache is a sparse sampler (its ξ differs from 1): a mode that samples densely, and so neither
+    measures nor corrects that mismatch, is refused it rather than quietly sampling through it."""
+    if config.rollout.kv_dtype != "auto" and not load_preset(config.train.mode).sparse_rollouts:
+        raise ConfigError(f"mode {config.train.mode} samples densely and corrects nothing, and --kv-dtype "
+                          f"{config.rollout.kv_dtype} makes the sampler differ from the dense policy: use a sparse mode "
+                          "(nemo-fp8: a full FP8 cache with token TIS; or any sparse mode with --sparsity none), or "
+                          "--kv-dtype auto; `sparserl eval --kv-dtype` measures a dense-trained model through it")
 
 
 def _policy(config: ExperimentConfig, checkpoint: Path | None, device: torch.device):

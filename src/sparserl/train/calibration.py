@@ -14,7 +14,7 @@ from ..learner.alpha import rollout_alpha_metrics
 from ..rollout.acceptance import bin_tails
 from ..rollout.dispatch.scheduler import RowLimits
 from ..rollout.sparsity.budgets import BinnedBudget, BudgetSchedule, FixedBudget
-from ..rollout.sparsity.settings import sparsity_from_config
+from ..rollout.sparsity.settings import budgeted_sparsity
 from .evaluation import complete
 
 
@@ -29,7 +29,7 @@ class Calibration:
 def _tails(model, tokenizer, max_new_tokens, rollout, examples, schedule: BudgetSchedule, samples: int,
            bin_size: int, quantile: float, seed: int, sampler_context) -> dict[int, float]:
     """{bin start: α tail} of sampled rollouts under `schedule` (same prompts and seed every call)."""
-    compression = sparsity_from_config(dataclasses.replace(rollout, kv_schedule=None))
+    compression = budgeted_sparsity(dataclasses.replace(rollout, kv_schedule=None), "the calibration")
     compression = dataclasses.replace(compression, schedule=schedule)
     limits = RowLimits.from_rollout_config(rollout, next(model.parameters()).device)
     with sampler_context():

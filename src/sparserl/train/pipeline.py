@@ -278,7 +278,8 @@ class StepPipeline:
 
     def _schedule_metrics(self) -> dict[str, float]:
         """The budget per cached-length bin when a schedule is in force (for the report's plot)."""
-        schedule = self.parts.compression.schedule if self.parts.sparse else None
+        compression = self.parts.compression if self.parts.sparse else None
+        schedule = compression.schedule if compression is not None else None  # sparsity none: no budget
         if schedule is None:
             return {}
         return {f"kv_budget_len_{i * schedule.bin_size}": float(b) for i, b in enumerate(schedule.budgets)}

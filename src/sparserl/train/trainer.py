@@ -160,7 +160,7 @@ class GRPOTrainer:
         result = {}
         for inference, (compression, kv_dtype) in inferences.items():
             answers: list[dict] = []
-            with parts.sampler() if compression else contextlib.nullcontext():
+            with parts.sampler() if inference == "sparse" else contextlib.nullcontext():
                 scores = greedy_scores(parts.model, parts.tokenizer, parts.task, parts.eval_examples,
                                        parts.max_new_tokens, compression=compression, rewards=parts.eval_rewards,
                                        limits=parts.row_limits, answers=answers, kv_dtype=kv_dtype)
