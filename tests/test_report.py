@@ -19,6 +19,14 @@ from sparserl.report.tables import (
 MIB = 1024 ** 2
 
 
+@pytest.fixture
+def no_plots(monkeypatch):
+    """For tests of the tables alone: matplotlib's six figures are most of a report's 3 s; the plot tests draw them."""
+    from sparserl.report import plots
+
+    monkeypatch.setattr(plots, "write_plots", lambda *args, **kwargs: [])
+
+
 def _step(step: int, reward: float, kept: float, vetoed: float, veto_flagged: float, peak: float = 1.6,
           **extra) -> dict:
     record = {"step": step, "reward_mean": reward, "reward_std": 0.1, "accuracy": reward,
@@ -132,6 +140,7 @@ def test_report_table_regime_and_verdicts(tmp_path):
     assert "Caveat: verdicts rest on 2 steps (< 20), 2 seed(s) (< 3)" in verdicts
 
 
+@pytest.mark.usefixtures("no_plots")
 def test_a_block_sparse_regime_names_its_pages_and_attended_fraction(tmp_path):
     out = _compare_dir(tmp_path)
     meta = json.loads((out / "compare.json").read_text())
@@ -151,6 +160,7 @@ def test_a_block_sparse_regime_names_its_pages_and_attended_fraction(tmp_path):
     assert "rkv" not in table.splitlines()[0]
 
 
+@pytest.mark.usefixtures("no_plots")
 def test_paper_claims_decided_only_by_intervals_that_exclude_their_thresholds(tmp_path):
     out = _compare_dir(tmp_path, rl_finals=(0.60, 0.62, 0.61), naive_finals=(0.20, 0.22, 0.21),
                        dense_finals=(0.80, 0.80, 0.80))
@@ -172,6 +182,7 @@ def test_paper_claims_decided_only_by_intervals_that_exclude_their_thresholds(tm
     assert "keeps ≥ 97% of dense accuracy — **not distinguishable at 2 seeds (about " in verdicts
 
 
+@pytest.mark.usefixtures("no_plots")
 def test_one_seed_says_it_gives_no_interval(tmp_path):
     out = _compare_dir(tmp_path, rl_finals=(0.6,), naive_finals=(0.2,), dense_finals=(0.8,))
     text = write_report(out).read_text()
@@ -203,6 +214,7 @@ def _intervals_and_verdicts(text: str) -> list[tuple[float, float, float, str]]:
     ((0.8, 0.8, 0.8), (0.2, 0.3, 0.25)), ((0.70, 0.85, 0.78), (0.79, 0.83, 0.76)),
     ((0.45, 0.9, 0.6), (0.5, 0.52, 0.48)), ((0.76, 0.77, 0.78), (0.74, 0.81, 0.8)),
 ])
+@pytest.mark.usefixtures("no_plots")
 def test_no_verdict_word_where_the_interval_covers_the_alternative(tmp_path, rl_finals, naive_finals):
     out = _compare_dir(tmp_path, rl_finals=rl_finals, naive_finals=naive_finals, dense_finals=(0.8, 0.78, 0.81))
     found = _intervals_and_verdicts(write_report(out).read_text())
@@ -308,6 +320,7 @@ def test_a_report_without_alpha_has_no_alpha_section(tmp_path):
     assert "| dense |" in text
 
 
+@pytest.mark.usefixtures("no_plots")
 def test_a_bad_metrics_line_before_the_last_stops_the_report_naming_file_and_line(tmp_path):
     out = _compare_dir(tmp_path)
     metrics = out / "sparse-rl" / "seed1" / "metrics.jsonl"
@@ -324,6 +337,7 @@ def test_a_bad_metrics_line_before_the_last_stops_the_report_naming_file_and_lin
     ('{"dense": {"accuracy": "80%"}}', "dense.accuracy is '80%', not a number"),
     ('{"dense": 0.8}', "dense is 0.8, not a JSON object"),
 ])
+@pytest.mark.usefixtures("no_plots")
 def test_an_unreadable_final_eval_is_said_and_the_run_reported_as_incomplete(tmp_path, content, problem):
     out = _compare_dir(tmp_path)
     final_eval = out / "sparse-rl" / "seed1" / "final_eval.json"
@@ -344,6 +358,7 @@ def test_a_directory_without_compare_json_is_refused(tmp_path):
         write_report(tmp_path)
 
 
+@pytest.mark.usefixtures("no_plots")
 def test_the_veto_by_length_table_labels_each_bucket_by_its_lengths(tmp_path):
     out = _compare_dir(tmp_path)
     section = write_report(out).read_text().split("## Sequences flagged by the veto, by response length")[1]
@@ -354,6 +369,7 @@ def test_the_veto_by_length_table_labels_each_bucket_by_its_lengths(tmp_path):
     assert _rows(table)["sparse-rl"] == ["0.000 (0.000–0.000)", "0.500 (0.400–0.600)"]
 
 
+@pytest.mark.usefixtures("no_plots")
 def test_without_a_dense_run_kv_saved_is_said_to_be_unmeasured(tmp_path):
     out = _compare_dir(tmp_path)
     meta = json.loads((out / "compare.json").read_text())
