@@ -304,7 +304,7 @@ def test_eval_says_which_inference_it_chose_for_a_sparse_config(tiny_model_dir, 
     assert main(["eval", "--config", str(config), "--out", str(out), "--model", str(tiny_model_dir), *EVAL_ARGS,
                  "--samples", "0"]) == 0
     assert "eval: dense inference (the default); --inference sparse or both decodes with the config's sparse " \
-           "sampler too (snapkv, budget 12)" in capsys.readouterr().err
+           "sampler too (snapkv B 12)" in capsys.readouterr().err
     assert json.loads(out.read_text())["inference"] == "dense"
 
 

@@ -189,3 +189,22 @@ def test_a_dense_mode_is_refused_a_quantized_sampler_and_budget_commands_a_full_
                      "--n", "2", "--threads", "1"]) == 2
         error = capsys.readouterr().err.strip()
         assert f"sparserl {command[0]} works on a KV budget, and --sparsity none keeps every token" in error
+
+
+def test_compare_gives_dense_the_whole_cache_and_each_preset_its_own_sampler(tiny_model_dir, tmp_path):
+    """`--kv-dtype int8` is for the sparse modes: the dense baseline samples in the model's dtype; nemo-fp8 brings its
+    full fp8 cache, and the comparison extends in either order of modes."""
+    import yaml
+
+    out = tmp_path / "cmp"
+    common = ["--model", str(tiny_model_dir), "--out", str(out), "--steps", "1", "--prompts-per-step", "2",
+              "--group-size", "2", "--difficulty", "4", "--eval-examples", "4", "--threads", "1", "--kv-budget", "10",
+              "--kv-window", "3", "--kv-interval", "3", "--log-with", "none"]
+    assert main(["compare", "--modes", "dense,naive-sparse", "--kv-dtype", "int8", *common]) == 0
+    assert main(["compare", "--modes", "nemo-fp8,dense", "--kv-dtype", "int8", *common]) == 0
+    rollout = {mode: yaml.safe_load((out / mode / "seed0" / "config.yaml").read_text())["rollout"]
+               for mode in ("dense", "naive-sparse", "nemo-fp8")}
+    assert rollout["dense"]["kv_dtype"] == "auto" and rollout["naive-sparse"]["kv_dtype"] == "int8"
+    assert (rollout["nemo-fp8"]["sparsity"], rollout["nemo-fp8"]["kv_dtype"]) == ("none", "int8")  # the flag wins
+    final = json.loads((out / "nemo-fp8" / "seed0" / "final_eval.json").read_text())
+    assert final["sparse"]["kv"]["sparsity"] == "none" and final["sparse"]["kv"]["kv_dtype"] == "int8"

@@ -378,3 +378,26 @@ def test_without_a_dense_run_kv_saved_is_said_to_be_unmeasured(tmp_path):
     table = paper_table(out)
     assert "not measured (no dense run in this comparison)" in table
     assert _rows(table)["sparse-rl"][4] == "—"
+
+
+@pytest.mark.usefixtures("no_plots")
+def test_a_mode_with_its_own_sampler_is_named_in_the_regime_and_not_paired_under_sparse_inference(tmp_path):
+    """nemo-fp8 samples (and is evaluated under sparse inference) through a full fp8 cache, the others through R-KV
+    80: its dense-inference accuracy pairs with dense's, its sparse-inference accuracy with no one's."""
+    out = _compare_dir(tmp_path)
+    manifest = json.loads((out / "compare.json").read_text())
+    manifest["modes"].append("nemo-fp8")
+    (out / "compare.json").write_text(json.dumps(manifest))
+    for seed in manifest["seeds"]:
+        _write_run(out, "nemo-fp8", seed, 0.5, 0.8, kept=1.0, veto_flagged=0.0, peak=1.0)
+        for mode in ("dense", "naive-sparse", "sparse-rl", "nemo-fp8"):
+            rollout = {"sparsity": "none", "kv_dtype": "fp8"} if mode == "nemo-fp8" else \
+                {"sparsity": "eviction", "kv_policy": "rkv", "kv_budget": 80, "kv_dtype": "auto"}
+            (out / mode / f"seed{seed}" / "config.yaml").write_text(json.dumps({"rollout": rollout}))
+    text = write_report(out).read_text()
+    assert "Regime: KV budget 80 (rkv, window 8, interval 8) (nemo-fp8: full cache, fp8);" in text
+    dense_part, sparse_part = text.split("Held-out accuracy, sparse inference:")
+    assert "| nemo-fp8 − dense |" in dense_part
+    assert "| nemo-fp8 − dense |" not in sparse_part and "| sparse-rl − dense |" in sparse_part
+    assert "Not compared under sparse inference (their sparse samplers differ): nemo-fp8 − dense, " \
+           "nemo-fp8 − naive-sparse." in sparse_part

@@ -39,9 +39,13 @@ def _compare(args) -> int:
     def config_for_mode(mode: str):
         settings = {**overrides, "mode": mode}
         preset = _preset_or_none(mode)  # None: run_compare names the unknown mode
-        # DistillSparse and recalibration belong to sparse samplers; the dense baseline runs without
+        # DistillSparse, recalibration and a quantized cache belong to sparse samplers: the dense baseline samples
+        # without (its sparse-inference evaluation is then in the model's dtype, and the report compares it only with
+        # runs evaluated through the same sampler); a full cache has no budget to recalibrate.
         if preset is not None and not preset.sparse_rollouts:
-            settings.update(switched_off("distill_sparse", "recalibrate_every"))
+            settings.update(switched_off("distill_sparse", "recalibrate_every"), kv_dtype="auto")
+        elif preset is not None and preset.rollout.get("sparsity") == "none":
+            settings.update(switched_off("recalibrate_every"))
         return load_config(args.config, settings)
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

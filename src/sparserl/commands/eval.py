@@ -69,10 +69,10 @@ def _eval(args) -> int:
     refuse_adaptive_schedule(config, "eval")
     inference = _chosen_inference(args, overrides)
     if args.inference is None and inference == "dense" and (args.config or resolve_model(config.model.model)[1]):
-        rollout = config.rollout
-        sampler = "block-sparse attention" if rollout.sparsity == "block" else rollout.kv_policy
+        from ..report.common import sparse_sampler
+
         print(f"eval: dense inference (the default); --inference sparse or both decodes with the config's sparse "
-              f"sampler too ({sampler}, budget {rollout.kv_budget})", file=sys.stderr)
+              f"sampler too ({sparse_sampler(config.to_dict())})", file=sys.stderr)
     answers: list[dict] | None = [] if args.answers else None
     result = run_eval(config, n=args.n, samples=args.samples, inference=inference,
                       measure_alpha=args.alpha is not False, answers=answers)

@@ -41,9 +41,9 @@ def _column(source: str, index: int, prompt_width: int, prompt_length: int) -> i
 def run_audit(config, n: int, batch_size: int = 100) -> dict:
     if config.task.task != "pointer_walk":
         raise ConfigError("sparserl audit reads the pointer walk's structure; use --task pointer_walk")
+    compression = budgeted_sparsity(config.rollout, "sparserl audit")  # before any model loads
     setup = held_out(config, n)
     model, tokenizer, examples = setup.model, setup.tokenizer, setup.examples
-    compression = budgeted_sparsity(config.rollout, "sparserl audit")
     # The sparse sampler as training runs it: its KV policy and its KV storage (a quantized cache, `kv_dtype`).
     engine = RolloutEngine(model, compression, record_evictions=True, kv_dtype=config.rollout.kv_dtype)
     limits = setup.limits.for_inference()

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config.presets import PresetError, preset_name
+from ..config.presets import PRESET_ROLLOUT_FIELDS, PresetError, preset_name
 from ..config.schema import MODES, ExperimentConfig
 from ..errors import ConfigError
 from ..train.checkpoint import latest_checkpoint
@@ -80,8 +80,8 @@ def _run_jobs(config: ExperimentConfig, config_for_mode: Callable[[str], Experim
         "modes": [], "seeds": [], "config": config.to_dict(),
         "started": datetime.datetime.now().isoformat(timespec="seconds")}
     # Runs of one comparison must share their settings; only what RUN_FREE_FIELDS names may change,
-    # and the corrections, which each mode's preset sets (each run directory checks its own).
-    per_mode = {"mode", "seed", "eval_sparse_inference", *config.to_dict()["correction"]}
+    # and what each mode's preset sets: its corrections and its sampler's kind (each run directory checks its own).
+    per_mode = {"mode", "seed", "eval_sparse_inference", *config.to_dict()["correction"], *PRESET_ROLLOUT_FIELDS}
     changed = {k: v for k, v in config_differences(record["config"], config.to_dict()).items()
                if k not in RUN_FREE_FIELDS | per_mode}
     if changed:

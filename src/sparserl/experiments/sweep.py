@@ -75,6 +75,7 @@ def sampled_mismatch(model, tokenizer, examples, max_new_tokens: int, compressio
 def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: int,
               rule: RegimeRule = RegimeRule(), kv_dtypes: tuple[str, ...] = ("auto",)) -> dict:
     """Rows per KV storage of `kv_dtypes` (a quantized one first without eviction, budget None), then per budget."""
+    budgeted_sparsity(config.rollout, "sparserl sweep")  # before any model loads
     setup = held_out(config, n)
     model, tokenizer, task, examples, bound = (setup.model, setup.tokenizer, setup.task, setup.examples,
                                                setup.max_new_tokens)

@@ -51,3 +51,18 @@ def setting(config: dict, key: str, default: Any = "?") -> Any:
             if found is not None:
                 return found
     return default
+
+
+def sparse_sampler(config: dict) -> str:
+    """In words, the sparse sampler a run's config names (its rollouts' in a sparse mode, its sparse inference's in
+    every mode): what two runs must share for their sparse-inference accuracies to be compared."""
+    kind, storage = setting(config, "sparsity", "eviction"), setting(config, "kv_dtype", "auto")
+    if kind == "none":
+        text = "full cache"
+    elif kind == "block":
+        text = f"block-sparse attention, {setting(config, 'kv_budget')} tokens"
+    else:
+        schedule = setting(config, "kv_schedule", None)
+        text = f"{setting(config, 'kv_policy')} " + (f"schedule {schedule}" if schedule else
+                                                    f"B {setting(config, 'kv_budget')}")
+    return text if storage == "auto" else f"{text}, {storage}"

@@ -41,7 +41,7 @@ from ..train.layout import (
     REPORT_FILE,
 )
 from ..train.metrics import read_metrics
-from .common import DASH, DISTILL_SUFFIX, cell, markdown, series, setting
+from .common import DASH, DISTILL_SUFFIX, cell, markdown, series, setting, sparse_sampler
 from .paired import standard_error
 
 MIB = 1024 ** 2
@@ -109,8 +109,10 @@ def summarise_run(mode: str, run_dir: Path) -> dict[str, Any]:
     final, problem = _final_eval(run_dir / FINAL_EVAL_FILE)
     steps = [r for r in records if r["step"] >= 1 and "reward_mean" in r]  # step 0 is eval-only
     evals = [r for r in records if "eval_accuracy_dense" in r]
+    saved = run_dir / CONFIG_FILE
     s = {"mode": mode, "status": "done" if final else "incomplete", "problem": problem, "steps": steps,
-         "evals": evals}
+         "evals": evals,
+         "sparse_sampler": sparse_sampler(yaml.safe_load(saved.read_text()) or {}) if saved.is_file() else None}
     s.update(_accuracies(records, evals, final))
     s.update(_costs(steps, final))
     s.update(_training(steps))
@@ -259,15 +261,30 @@ def regime_line(runs: dict[str, list[dict]], config: dict) -> str:
                     f"{setting(config, 'block_page_size')}, the first {setting(config, 'block_dense_layers')} "
                     f"layer(s) dense); attended share of the cached keys (sparse layers, mean over decode steps) "
                     f"{cell(r['attended'])}")
+    elif setting(config, "sparsity", "eviction") == "none":
+        sparsity = f"full cache (nothing evicted), stored as {setting(config, 'kv_dtype', 'auto')}"
     else:
         sparsity = (f"KV budget {budget} ({setting(config, 'kv_policy')}, window {setting(config, 'kv_window')}, "
                     f"interval {setting(config, 'kv_interval')})")
+        if setting(config, "kv_dtype", "auto") != "auto":
+            sparsity += f", stored as {setting(config, 'kv_dtype')}"
+    others = _other_samplers(runs, sparse_sampler(config))
+    if others:
+        sparsity += f" ({others})"
     return (f"Regime: {sparsity}; step-0 greedy accuracy "
             f"gap dense − sparse {cell(r['gap0'], 'pts')}; step-0 veto rate (Sparse-RL filter) {cell(r['veto0'])}; "
             f"KV saved (peak bytes against the dense run of each seed, same prompts) "
             f"{cell(r['kv_saved']) if r['kv_saved'] else 'not measured (no dense run in this comparison)'}; "
             f"step-0 α tail (5th percentile, worst length bin) "
             + (cell(r["alpha_tail0"], ".3f") if r["alpha_tail0"] else "not logged by these runs") + ".")
+
+
+def _other_samplers(runs: dict[str, list[dict]], shared: str) -> str:
+    """The sparse modes whose sampler is not the comparison's (a preset's own, as nemo-fp8's full fp8 cache)."""
+    baseline = mode_with_role("baseline")
+    own = {mode: s["sparse_sampler"] for mode, seeds in runs.items() if mode != baseline for s in seeds
+           if s.get("sparse_sampler") not in (None, shared)}
+    return "; ".join(f"{mode}: {sampler}" for mode, sampler in own.items())
 
 
 def paper_table(compare_dir: Path) -> str:

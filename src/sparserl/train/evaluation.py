@@ -130,7 +130,7 @@ def evaluate_policy(model, tokenizer, task: Task, examples: list[Example], max_n
         answers.extend(answer_records(examples, greedy.texts, scores))
     result = {"accuracy": accuracy(scores), **walk_metrics(task, greedy.texts, examples),
               **_token_figures(greedy.batches)}
-    result["kv"] = {**_sparsity_settings(compression), "kv_dtype": kv_dtype, **_kv_figures(greedy.batches)}
+    result["kv"] = {**_sparsity_settings(compression, kv_dtype), "kv_dtype": kv_dtype, **_kv_figures(greedy.batches)}
     if sparse and measure_alpha:
         result.update(rollout_alpha_metrics(model, greedy.batches, 0.0, alpha_bin_size))
     if samples > 0:
@@ -159,9 +159,9 @@ def accuracy(task_scores: list[float]) -> float:
     return sum(map(is_correct, task_scores)) / max(len(task_scores), 1)
 
 
-def _sparsity_settings(compression: KVCompression | BlockSparsity | None) -> dict:
-    if compression is None:
-        return {"sparsity": "dense"}
+def _sparsity_settings(compression: KVCompression | BlockSparsity | None, kv_dtype: str) -> dict:
+    if compression is None:  # every token kept: the dense sampler, unless the cache is stored quantized
+        return {"sparsity": "dense" if kv_dtype == "auto" else "none"}
     schedule = None if compression.schedule is None else list(compression.schedule.budgets)
     if isinstance(compression, BlockSparsity):
         return {"sparsity": "block", "budget": compression.budget, "schedule": schedule,
