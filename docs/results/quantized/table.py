@@ -139,6 +139,23 @@ def paired(values: list[tuple[float | None, float | None]]) -> str:
     return text
 
 
+def of_dense(values: list[tuple[float | None, float | None]]) -> str:
+    """The cell's mean over dense's, and with two or more seeds its 95% interval: 1 + the paired difference's
+    t-interval over dense's mean (docs/results.md's convention)."""
+    pairs = [(a, b) for a, b in values if a is not None and b is not None]
+    if not pairs:
+        return "—"
+    base = statistics.mean(b for _, b in pairs)
+    text = f"{statistics.mean(a for a, _ in pairs) / base:.0%}"
+    if len(pairs) >= 2:
+        sys.path.insert(0, str(ROOT / "src"))
+        from sparserl.report.statistics import paired_t
+
+        found = paired_t([a - b for a, b in pairs])
+        text += f" ({1 + found.low / base:.0%} to {1 + found.high / base:.0%})"
+    return text
+
+
 def main() -> None:
     import argparse
 
@@ -173,12 +190,13 @@ def main() -> None:
                      f"| {spread(of32, '{:.1%}')} | {spread(of16, '{:.1%}')} "
                      f"| {'—' if cell == 'dense' else spread(evals, '{:.1%}')} |")
     lines += ["", f"Held-out accuracy after {STEPS} steps (200 prompts, greedy), finished runs only:", "",
-              "| cell | seeds | dense inf. | − dense run, per seed (points) | sparse inf. (its sampler) "
-              "| − dense-trained model under the same sparse inf., per seed (points) |", "|---|---|---|---|---|---|"]
+              "| cell | seeds | dense inf. | − dense run, per seed (points) | of dense (95% CI) | sparse inf. (its "
+              "sampler) | − dense-trained model under the same sparse inf., per seed (points) |",
+              "|---|---|---|---|---|---|---|"]
     for cell, runs in found.items():
         done = [f for f in runs if f["done"]]
         if not done:
-            lines.append(f"| {cell} | 0 | not yet | | | |")
+            lines.append(f"| {cell} | 0 | not yet | | | | |")
             continue
         vs_dense = [(f["final_dense"], dense[f["seed"]]["final_dense"] if f["seed"] in dense else None)
                     for f in done]
@@ -187,9 +205,9 @@ def main() -> None:
         lines.append(f"| {cell} | {', '.join(str(f['seed']) for f in done)} "
                      f"| {spread([f['final_dense'] for f in done], '{:.1%}')} "
                      f"| {'—' if cell == 'dense' else paired(vs_dense)} "
-                     f"| {sparse_cell} | {'—' if cell == 'dense' else paired(vs_sparse)} |")
+                     f"| {'—' if cell == 'dense' else of_dense(vs_dense)} | {sparse_cell} | {'—' if cell == 'dense' else paired(vs_sparse)} |")
     under = [f"{f['cell']} seed {f['seed']}: {f['dense_model_sparse']:.1%}" for runs in found.values() for f in runs
-             if f.get("dense_model_sparse") is not None and f["cell"] != "rkv56"]
+             if f.get("dense_model_sparse") is not None and f["cell"] not in ("rkv56", "nemo-fp8")]
     if under:
         lines += ["", "The dense-trained model under each quantized sparse inference: " + "; ".join(under) + "."]
     text = "\n".join(lines)
