@@ -106,6 +106,41 @@ def replay_logprobs(model, batch, rows=None, share_prompts: bool = False) -> tor
     return hidden_logprobs(model, hidden, ids[:, width:])[0]
 
 
+WRITE_SLOTS = (3, 5, 0, 9)  # the slot each of `static_write_layer`'s four rows writes its token into
+
+
+def static_write_layer(kv_format=None):
+    """A cache layer of 4 rows x 2 KV heads x 1024 slots (head dim 8, float32) set up for one static-step write: row r
+    writes its token into slot WRITE_SLOTS[r], at column 7 + r. `kv_format`: stored quantized (its scales are the
+    caller's to set)."""
+    from sparserl.rollout.cache import BufferLayer
+
+    layer = BufferLayer(4, 2, 8, 1024, 2, torch.float32, torch.device("cpu"), growth=1024, kv_format=kv_format)
+    layer.reserve(1024)
+    layer.static_rows, layer.static_slots = torch.arange(4)[:, None], torch.tensor(WRITE_SLOTS)[:, None]
+    layer.incoming_columns, layer.incoming_real = torch.arange(7, 11)[:, None], torch.ones(4, 1, dtype=torch.bool)
+    return layer
+
+
+def compiled_static_write(layer) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Random keys and values `[4, 2, 1, 8]` written by `layer`'s static write compiled with Inductor, and the shapes
+    of the tensors the generated code allocates (a buffer's shape among them: the write copied the cache)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    keys, values = torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)
+
+    def write(keys, values):
+        written = layer._write_static(keys, values)
+        return written[0].sum(), written[1].sum()
+
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(write, fullgraph=True), keys, values)
+    torch._dynamo.reset()
+    return keys, values, re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code[0])
+
+
 def kill_part_way_then_resume(argv: list[str], out, steps: int, lines: int) -> int:
     """Run `sparserl` with `argv` in a subprocess, SIGKILL it once its metrics hold `lines` records,
     then resume it in this process to `steps`. Returns the steps the killed run had logged."""

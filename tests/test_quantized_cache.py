@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import pytest
 import torch
 from capture_standin import model_tensors, traced_graphs
-from conftest import make_tiny_gemma3, make_tiny_model, replay_logprobs
+from conftest import (WRITE_SLOTS, compiled_static_write, make_tiny_gemma3, make_tiny_model, replay_logprobs,
+                      static_write_layer)
 
 from sparserl.config.schema import load_config
 from sparserl.errors import ConfigError
 from sparserl.model.forward import hidden_logprobs, response_hidden, response_logprobs
 from sparserl.rollout import quantization
 from sparserl.rollout.batch import SamplingConfig
-from sparserl.rollout.cache import BufferLayer
 from sparserl.rollout.dispatch.scheduler import request_seed, schedule_rollouts
 from sparserl.rollout.dispatch.spec import SamplerSpec, build_sampler
 from sparserl.rollout.engine import step
@@ -317,29 +316,14 @@ def test_the_compiled_quantized_step_samples_as_the_eager_one(tiny, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_the_compiled_quantized_write_is_in_place(kv_dtype):
     """The quantized write, compiled, stores into the buffers themselves (no copy of a buffer)."""
-    from torch._inductor.utils import run_and_get_code
-
-    layer = BufferLayer(4, 2, 8, 1024, 2, torch.float32, torch.device("cpu"), growth=1024,
-                        kv_format=FORMATS[kv_dtype])
-    layer.reserve(1024)
+    layer = static_write_layer(FORMATS[kv_dtype])
     layer.key_scale = torch.full((4, 2, 1, 8 if kv_dtype == "int8" else 1), 0.05)
     layer.value_scale = None if kv_dtype == "int8" else torch.full((4, 2, 1, 1), 0.01)
-    layer.static_rows, layer.static_slots = torch.arange(4)[:, None], torch.tensor([[3], [5], [0], [9]])
-    layer.incoming_columns, layer.incoming_real = torch.tensor([[7], [8], [9], [10]]), torch.ones(4, 1, dtype=torch.bool)
-    keys, values = torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)
-
-    def write(keys, values):
-        written = layer._write_static(keys, values)
-        return written[0].sum(), written[1].sum()
-
-    torch._dynamo.reset()
-    _, code = run_and_get_code(torch.compile(write, fullgraph=True), keys, values)
-    torch._dynamo.reset()
-    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code[0])
+    keys, values, allocations = compiled_static_write(layer)
     assert not [shape for shape in allocations if shape.startswith("4, 2, 1024")]
     expected = layer.format.fake_quant(keys, values, layer.key_scale, layer.value_scale)
     read_keys, read_values = layer.read()
-    for row, slot in enumerate([3, 5, 0, 9]):
+    for row, slot in enumerate(WRITE_SLOTS):
         assert torch.equal(read_keys[row, :, slot], expected[0][row, :, 0])
         assert torch.equal(read_values[row, :, slot], expected[1][row, :, 0])
     assert int(layer.real.sum()) == 4 * 2

@@ -4,13 +4,12 @@ decode loop's only reads between compressions are its end-of-row checks, every `
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytest
 import torch
 from capture_standin import model_tensors, restored, traced_graphs
-from conftest import make_tiny_model
+from conftest import WRITE_SLOTS, compiled_static_write, make_tiny_model, static_write_layer
 
 from sparserl.model.clock import HostReads
 from sparserl.rollout.batch import SamplingConfig
@@ -175,26 +174,10 @@ def test_the_compiled_cache_write_is_in_place():
     scatter_ out of place (a new buffer of the whole cache, copied back), which on an H200 made the compiled step
     2.9x slower than the uncompiled one (docs/benchmarks.md). The generated code allocates no tensor of a buffer's
     shape, and the slots hold the tokens."""
-    from torch._inductor.utils import run_and_get_code
-
-    from sparserl.rollout.cache import BufferLayer
-
-    layer = BufferLayer(4, 2, 8, 1024, 2, torch.float32, torch.device("cpu"), growth=1024)
-    layer.reserve(1024)
-    layer.static_rows, layer.static_slots = torch.arange(4)[:, None], torch.tensor([[3], [5], [0], [9]])
-    layer.incoming_columns, layer.incoming_real = torch.tensor([[7], [8], [9], [10]]), torch.ones(4, 1, dtype=torch.bool)
-    keys, values = torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)
-
-    def write(keys, values):
-        written = layer._write_static(keys, values)
-        return written[0].sum(), written[1].sum()
-
-    torch._dynamo.reset()
-    _, code = run_and_get_code(torch.compile(write, fullgraph=True), keys, values)
-    torch._dynamo.reset()
-    allocations = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code[0])
+    layer = static_write_layer()
+    keys, values, allocations = compiled_static_write(layer)
     assert allocations and not [shape for shape in allocations if shape.startswith("4, 2, 1024")]
-    for row, slot in enumerate([3, 5, 0, 9]):
+    for row, slot in enumerate(WRITE_SLOTS):
         assert torch.equal(layer.keys[row, :, slot], keys[row, :, 0])
         assert torch.equal(layer.values[row, :, slot], values[row, :, 0])
         assert layer.columns[row, :, slot].tolist() == [7 + row] * 2 and layer.real[row, :, slot].all()
