@@ -11,8 +11,8 @@
 
 The preset sets every correction field, and the rollout fields that make its sampler what it is (`nemo-fp8`: a
 full cache stored as FP8); a field given in the config file or on the command line (`--veto-threshold`,
-`--kv-dtype`, ...) overrides it. `sparserl presets` shows each preset's source. `sparse-rl` is the reference and stays as the
-paper has it; the `sparrow` preset carries the recommended correction (docs/results.md).
+`--kv-dtype`, ...) overrides it. `sparserl presets` shows each preset's source. `sparse-rl` is the reference and
+stays as the paper has it; the `sparrow` preset carries the recommended correction (docs/results.md).
 
 A preset also says what the learner's forwards attend to (`learner_attention`): "dense", the plain causal
 forward (π_old, π_θ and π_ref of the full context; the sampler's mismatch is what the corrections correct), or

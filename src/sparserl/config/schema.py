@@ -311,7 +311,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     except (TypeError, ValueError) as error:
         raise ConfigError(str(error)) from None
     config = ExperimentConfig(**built)
-    if load_preset(config.train.mode).needs_schedule and not config.rollout.kv_schedule \
+    if preset.needs_schedule and not config.rollout.kv_schedule \
             and not config.rollout.recalibrate_every:
         # A scheduled mode with neither a calibrated file nor recalibration adapts its budgets online.
         config.rollout.kv_schedule = "adaptive"

@@ -35,7 +35,7 @@ from ..model.forward import batched_logprobs
 from ..rollout.batch import kv_saved
 from ..rollout.dispatch.scheduler import RowLimits
 from ..rollout.sparsity.eviction import KVCompression
-from ..rollout.sparsity.settings import budgeted_sparsity
+from ..rollout.sparsity.settings import budgeted_sparsity, sparsity_from_config
 from ..train.evaluation import accuracy, complete, evaluate_policy, task_rewards
 from .eval import held_out
 
@@ -98,7 +98,7 @@ def run_sweep(config, budgets: list[int], n: int, samples: int, sample_prompts: 
     rows, settings = [], {}
     for kv_dtype, budget in tqdm(grid, desc="sweep", unit="setting"):
         compression = None if budget is None else \
-            budgeted_sparsity(dataclasses.replace(config.rollout, kv_budget=budget), "sparserl sweep")
+            sparsity_from_config(dataclasses.replace(config.rollout, kv_budget=budget))
         sparse = evaluate_policy(model, tokenizer, task, examples, bound, compression, 0, 1.0, config.train.seed,
                                  rewards=rewards, limits=setup.limits, kv_dtype=kv_dtype)
         kv = sparse["kv"]

@@ -130,8 +130,8 @@ def _check_dense_storage(config: ExperimentConfig) -> None:
     measures nor corrects that mismatch, is refused it rather than quietly sampling through it."""
     if config.rollout.kv_dtype != "auto" and not load_preset(config.train.mode).sparse_rollouts:
         raise ConfigError(f"mode {config.train.mode} samples densely and corrects nothing, and --kv-dtype "
-                          f"{config.rollout.kv_dtype} makes the sampler differ from the dense policy: use a sparse mode "
-                          "(nemo-fp8: a full FP8 cache with token TIS; or any sparse mode with --sparsity none), or "
+                          f"{config.rollout.kv_dtype} makes the sampler differ from the dense policy: use a sparse "
+                          "mode (nemo-fp8: a full FP8 cache with token TIS; or any sparse mode with --sparsity none), or "
                           "--kv-dtype auto; `sparserl eval --kv-dtype` measures a dense-trained model through it")
 
 
