@@ -3,7 +3,7 @@
     python bench/rollout.py --threads 1 [--quick] [--models builtin,30m] [--lengths 512,1024,2048,4096]
                             [--policies h2o,pyramidkv,rkv,snapkv,streamingllm] [--lengths-30m 4096]
                             [--policies-30m ...] [--hf-30m] [--block-dense-layers 2,0] [--batch 32] [--json FILE]
-                            [--profile MODEL:L:POLICY] [--stress | --stress-only] [--repeats 7]
+                            [--profile MODEL:L:POLICY] [--stress | --stress-only | --main-job] [--repeats 7]
 
 For each model and each total length L (prompt + response), every row of a batch of --batch rows gets
 a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS disabled), with:
@@ -19,6 +19,9 @@ a prompt of 64 random tokens and samples exactly L - 64 response tokens (EOS dis
 pointer-walk prompts x 8 samples with per-row seeds, EOS off, dense against every KV policy at B = 56 (the
 config's window and interval), `--repeats` interleaved rounds; it reports ms per decode step, the per-round
 ratio sparse/dense (goal for R-KV, the stress regime's policy: at most 1.05x) and the compression share.
+`--main-job` times the main job's sampler the same way instead: the config's budget (80) with EOS on, so rows end
+and leave the batch as in training; rollout seconds, tokens generated and the ratio to dense (goal for R-KV, the main
+job's policy: at most 1.00x).
 
 Models (random init with --seed, float32; we measure speed and memory, not quality):
 - builtin: `sparserl.model.loading.builtin_model_config(97)` (0.6M parameters) with max_position_embeddings 8192;
@@ -98,7 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the stress regime at equal batch: the warm-started built-in model, 8 pointer-walk "
                         "prompts x 8 samples, EOS off, dense against every KV policy at B = 56 (--repeats interleaved rounds)")
     p.add_argument("--stress-only", action="store_true", help="only the stress-regime comparison (no L table)")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds of --stress (default 7)")
+    p.add_argument("--main-job", action="store_true",
+                   help="only the main job's sampler at equal batch: as --stress, but at the config's budget (80) "
+                        "with EOS on (no L table)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds of --stress / --main-job (default 7)")
     args = p.parse_args(argv)
     args.stress = args.stress or args.stress_only
     if not 32 <= args.batch <= 64:
@@ -403,11 +409,12 @@ def block_lines(rows: list[dict], summary: dict) -> list[str]:
     return lines
 
 
-def stress(args) -> dict:
-    """Dense against every KV policy at the stress budget (B = 56, the config's window and interval) at
-    equal batch: the warm-started built-in model, 8 prompts x 8 samples of the default pointer-walk task,
-    per-row seeds, EOS off (every row decodes the task's max_new_tokens). One untimed run each, then
-    `--repeats` rounds (dense, then each policy) back to back; per decode step = rollout_seconds / steps."""
+def equal_batch(args, main_job: bool) -> dict:
+    """Dense against every KV policy at equal batch: the warm-started built-in model, 8 prompts x 8 samples of the
+    default pointer-walk task, per-row seeds, the config's window and interval. The stress regime (`main_job`
+    False): B = 56, EOS off, so every row decodes the task's max_new_tokens. The main job's sampler (`main_job`
+    True): the config's budget (80) with EOS on, so rows end where they end and leave the batch, as in training.
+    One untimed run each, then `--repeats` rounds (dense, then each policy) back to back."""
     import statistics
 
     from sparserl.config.schema import load_config
@@ -426,8 +433,11 @@ def stress(args) -> dict:
     steps = max_new_tokens(config.task, task)
     prompts = [tokenizer(e.prompt).input_ids for e in task.examples(8, seed=args.seed) for _ in range(8)]
     seeds = [request_seed(args.seed, i) for i in range(len(prompts))]
-    sampling = SamplingConfig(steps, 1.0, None, tokenizer.pad_token_id, prompt_width=max(len(p) for p in prompts))
-    comp = KVCompression("rkv", budget=56, window=config.rollout.kv_window, interval=config.rollout.kv_interval)
+    eos = tokenizer.eos_token_id if main_job else None
+    sampling = SamplingConfig(steps, config.rollout.temperature, eos, tokenizer.pad_token_id,
+                              prompt_width=max(len(p) for p in prompts))
+    budget = config.rollout.kv_budget if main_job else 56
+    comp = KVCompression("rkv", budget=budget, window=config.rollout.kv_window, interval=config.rollout.kv_interval)
     engines = {"dense": RolloutEngine(model, record_evictions=False)}
     for policy in sorted(POLICIES, key=lambda name: name != "rkv"):
         engines[policy] = RolloutEngine(model, dataclasses.replace(comp, policy=policy), record_evictions=False)
@@ -439,33 +449,42 @@ def stress(args) -> dict:
         for name, engine in engines.items():
             gc.collect()
             batch = engine.generate(prompts, sampling, seeds=seeds)
-            runs[name].append((batch.rollout_seconds, batch.kv.compress_seconds))
+            runs[name].append((batch.rollout_seconds, batch.kv.compress_seconds, int(batch.response_lengths.sum())))
 
     def figures(name):
-        per_step = [t / steps * 1e3 for t, _ in runs[name]]
+        per_step = [t / steps * 1e3 for t, _, _ in runs[name]]
         ratios = [s[0] / d[0] for d, s in zip(runs["dense"], runs[name])]
-        return {"ms_per_step": (statistics.median(per_step), min(per_step), max(per_step)),
+        return {"seconds": statistics.median(t for t, _, _ in runs[name]),
+                "ms_per_step": (statistics.median(per_step), min(per_step), max(per_step)),
                 "ratio": statistics.median(ratios), "ratio_spread": (min(ratios), max(ratios)),
-                "compress_share": statistics.median(c / t for t, c in runs[name]),
-                "compress_ms_per_step": statistics.median(c / steps * 1e3 for _, c in runs[name])}
+                "tokens": statistics.median(n for _, _, n in runs[name]),
+                "compress_share": statistics.median(c / t for t, c, _ in runs[name]),
+                "compress_ms_per_step": statistics.median(c / steps * 1e3 for _, c, _ in runs[name])}
 
-    return {"steps": steps, "rows": len(prompts), "budget": comp.budget, "window": comp.window,
+    return {"main_job": main_job, "steps": steps, "rows": len(prompts), "budget": comp.budget, "window": comp.window,
             "interval": comp.interval, "repeats": args.repeats, "modes": {name: figures(name) for name in runs}}
 
 
-def stress_text(r: dict) -> str:
-    lines = [f"Stress regime at equal batch (warm-started built-in model, {r['rows']} rows = 8 pointer-walk prompts x 8, "
-             f"EOS off, {r['steps']} decode steps, B = {r['budget']}, w {r['window']}, Δ {r['interval']}; "
-             f"medians of {r['repeats']} interleaved rounds, min-max in brackets):", "",
-             "| mode | ms / decode step | / dense | compression ms / step | compression share |", "|---|---|---|---|---|"]
+def equal_batch_text(r: dict) -> str:
+    if r["main_job"]:
+        head = (f"The main job's sampler at equal batch (warm-started built-in model, {r['rows']} rows = 8 "
+                f"pointer-walk prompts x 8, EOS on, at most {r['steps']} decode steps, B = {r['budget']}")
+    else:
+        head = (f"Stress regime at equal batch (warm-started built-in model, {r['rows']} rows = 8 pointer-walk prompts "
+                f"x 8, EOS off, {r['steps']} decode steps, B = {r['budget']}")
+    lines = [head + f", w {r['window']}, Δ {r['interval']}; medians of {r['repeats']} interleaved rounds, min-max in "
+             "brackets):", "",
+             "| mode | rollout s | tokens | ms / decode step | / dense | compression ms / step | compression share |",
+             "|---|---|---|---|---|---|---|"]
     for name, m in r["modes"].items():
         step = m["ms_per_step"]
-        lines.append(f"| {name} | {step[0]:.2f} ({step[1]:.2f}-{step[2]:.2f}) | {m['ratio']:.3f} "
-                     f"({m['ratio_spread'][0]:.3f}-{m['ratio_spread'][1]:.3f}) | {m['compress_ms_per_step']:.2f} | "
-                     f"{m['compress_share']:.1%} |")
+        lines.append(f"| {name} | {m['seconds']:.3f} | {m['tokens']:.0f} | {step[0]:.2f} ({step[1]:.2f}-{step[2]:.2f}) "
+                     f"| {m['ratio']:.3f} ({m['ratio_spread'][0]:.3f}-{m['ratio_spread'][1]:.3f}) | "
+                     f"{m['compress_ms_per_step']:.2f} | {m['compress_share']:.1%} |")
     rkv = r["modes"]["rkv"]
-    lines.append(f"\n- 6. sparse (R-KV) / dense per decode step ≤ 1.05×: **{'MET' if rkv['ratio'] <= 1.05 else 'NOT MET'}** "
-                 f"({rkv['ratio']:.3f}×)")
+    goal, bound = ("sparse-rl's (R-KV) rollout ≤ dense's", 1.0) if r["main_job"] else \
+        ("6. sparse (R-KV) / dense per decode step ≤ 1.05×", 1.05)
+    lines.append(f"\n- {goal}: **{'MET' if rkv['ratio'] <= bound else 'NOT MET'}** ({rkv['ratio']:.3f}×)")
     return "\n".join(lines)
 
 
@@ -511,10 +530,12 @@ def main(argv=None) -> int:
     results: dict = {"args": {k: v for k, v in vars(args).items()}, "load_avg_start": os.getloadavg(),
                      "probe_ms_start": contention_probe(args.threads),
                      "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
-    rows = [] if args.stress_only else bench(args)
+    rows = [] if args.stress_only or args.main_job else bench(args)
     results["rows"] = rows
     if args.stress:
-        results["stress"] = stress(args)
+        results["stress"] = equal_batch(args, main_job=False)
+    if args.main_job:
+        results["main_job"] = equal_batch(args, main_job=True)
     results["probe_ms_end"] = contention_probe(args.threads)
     results["load_avg_end"] = os.getloadavg()
     results["wall_s"] = time.perf_counter() - started
@@ -526,8 +547,9 @@ def main(argv=None) -> int:
         print()
         text, results["goals"] = goals(rows)
         print(text)
-    if args.stress:
-        print(("\n" if rows else "") + stress_text(results["stress"]))
+    for part in ("stress", "main_job"):
+        if part in results:
+            print(("\n" if rows or part == "main_job" and args.stress else "") + equal_batch_text(results[part]))
     print(f"\nload average (1/5/15 min) at start {tuple(round(x, 2) for x in results['load_avg_start'])}, "
           f"at end {tuple(round(x, 2) for x in results['load_avg_end'])}; {os.cpu_count()} CPUs; "
           f"torch threads {args.threads}; wall {results['wall_s']:.0f} s")
