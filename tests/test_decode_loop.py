@@ -336,3 +336,54 @@ def test_a_groups_prompt_is_prefilled_once_and_samples_as_its_rows_alone(tiny64,
     per_slot = config.num_hidden_layers * 2 * config.num_key_value_heads * (config.hidden_size //
                                                                              config.num_attention_heads) * 8
     assert first.kv.kv_peak_bytes >= len(prompts) * WIDTH * per_slot
+
+
+def test_the_window_of_queries_is_a_ring_holding_the_last_w_queries_of_every_cohort():
+    """The provider's window: each static step's query overwrites the oldest at the device position, and a cohort that
+    joins is turned to that position. Rolled back by the position, every row's window is its own last w queries,
+    oldest first, as listed here by hand (with unreal slots where a row has fed fewer than w tokens)."""
+    from types import SimpleNamespace
+
+    from sparserl.rollout.engine.rollout_attention import RolloutAttention
+
+    window, heads, dim = 3, 2, 4
+    layer = SimpleNamespace(is_sliding=False, static_slots=None)
+    cache = SimpleNamespace(layers=[layer], set_incoming=lambda columns, real: None)
+
+    def prefill(rows: int, prompt: int, base: float) -> tuple[RolloutAttention, list[list[float]]]:
+        provider = RolloutAttention(cache, window, keep_queries=True, keep_mass=False)
+        provider.begin_forward(torch.arange(prompt).expand(rows, -1), torch.ones(rows, prompt, dtype=torch.bool))
+        values = [[base + 10 * row + t for t in range(prompt)] for row in range(rows)]
+        query = torch.tensor(values)[:, None, :, None].expand(rows, heads, prompt, dim).contiguous()
+        layer.static_slots = None
+        provider.observe(0, query, None, None)
+        return provider, values
+
+    def step(provider: RolloutAttention, fed: list[list[float]], value: float) -> None:
+        layer.static_slots = object()
+        rows = len(fed)
+        provider.begin_step(SimpleNamespace(fed_real=torch.ones(rows, dtype=torch.bool)))
+        new = [value + 10 * row for row in range(rows)]
+        provider.observe(0, torch.tensor(new)[:, None, None, None].expand(rows, heads, 1, dim).contiguous(), None, None)
+        provider.end_step()
+        for row in range(rows):
+            fed[row].append(new[row])
+
+    def oldest_first(provider: RolloutAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        turn = -int(provider.ring_position)
+        return provider.queries[0][:, 0, :, 0].roll(turn, dims=1), provider.window_real.roll(turn, dims=1)
+
+    provider, fed = prefill(rows=2, prompt=2, base=100.0)  # a prompt shorter than the window: one unreal slot
+    queries, real = oldest_first(provider)
+    assert real.tolist() == [[False, True, True]] * 2
+    assert queries[:, 1:].tolist() == [row[-2:] for row in fed]
+    for t in range(4):  # once round the ring and one more
+        step(provider, fed, 200.0 + t)
+        queries, real = oldest_first(provider)
+        assert queries.tolist() == [row[-window:] for row in fed] and bool(real.all())
+    joining, joined = prefill(rows=1, prompt=5, base=500.0)
+    provider.append_rows(joining)
+    fed += joined
+    step(provider, fed, 300.0)
+    queries, real = oldest_first(provider)
+    assert queries.tolist() == [row[-window:] for row in fed] and bool(real.all())

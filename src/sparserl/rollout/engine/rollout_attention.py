@@ -3,7 +3,9 @@
 A prefill (a cohort of new rows) reads the cache's masks for its columns (`BufferLayer.visible`); a decode step is
 the static step (`step.py`), whose masks the cache computes from its realness and columns (`static_visible`). Beside
 the masks it keeps, per full-attention layer, the window of the last w queries (SnapKV, R-KV and PyramidKV score with
-them) as a fixed `[N, Hq, w, D]` buffer shifted in place each step, and the attention mass each slot received (H2O)
+them) as a fixed `[N, Hq, w, D]` ring written in place each step (a step's query replaces the oldest, at the device
+position `ring_position`; the scorers sum over the window, so its order is theirs to ignore), and the attention mass
+each slot received (H2O)
 as `[N, Hkv, capacity]`, added to in place: fixed shapes, so a captured step writes them. Block-sparse attention
 narrows each decode query to its pages (`sparsity/block_sparse.py`).
 """
@@ -28,8 +30,10 @@ class RolloutAttention:
         self.window = window
         self.keep_queries = keep_queries
         self.keep_mass = keep_mass
-        self.queries: dict[int, torch.Tensor] = {}  # layer -> [N, Hq, w, D], oldest first
-        self.window_real: torch.Tensor | None = None  # [N, w], oldest first
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> [N, Hq, w, D], a ring: the oldest at ring_position
+        self.window_real: torch.Tensor | None = None  # [N, w], the same ring
+        # [1] long, on the device: the ring slot the next step's query overwrites (a captured step advances it)
+        self.ring_position: torch.Tensor | None = None
         self.mass: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, capacity]
 
     # --- a prefill -----------------------------------------------------------------------------------
@@ -41,15 +45,18 @@ class RolloutAttention:
             # Contiguous, as every later copy is: a compiled step guards on strides (`_fitted`, `observe` too).
             self.window_real = F.pad(real[:, -self.window:], (self.window - min(self.window, real.shape[1]), 0),
                                      value=False).contiguous()
+            self.ring_position = torch.zeros(1, dtype=torch.long, device=real.device)
 
     # --- the static step, as a step participant (`participants.py`) ------------------------------------------
     def begin_step(self, rows) -> None:
         """The static step feeds one token per row (`step.RowState`), real where `rows.fed_real [N]`: the window
         moves on by one."""
         if self.window_real is not None:
-            self.window_real.copy_(torch.cat([self.window_real[:, 1:], rows.fed_real[:, None]], dim=1))
+            self.window_real.index_copy_(1, self.ring_position, rows.fed_real[:, None])
 
     def end_step(self) -> None:
+        if self.ring_position is not None:
+            self.ring_position.add_(1).remainder_(self.window)
         if self.selector is not None:
             self.selector.end_static_step()
 
@@ -63,6 +70,7 @@ class RolloutAttention:
     def step_state(self) -> list[torch.Tensor]:
         """What the static step advances here: the windows, the masses, the block selector's state."""
         return [*self._window_tensors(), *self.mass.values(),
+                *([self.ring_position] if self.ring_position is not None else []),
                 *(self.selector.static_tensors() if self.selector is not None else [])]
 
     def varying_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
@@ -95,8 +103,7 @@ class RolloutAttention:
             return
         if self.keep_queries:
             if layer.static_slots is not None:
-                window = self.queries[layer_idx]
-                window.copy_(torch.cat([window[:, :, 1:], query], dim=2))
+                self.queries[layer_idx].index_copy_(2, self.ring_position, query)
             else:
                 width = min(self.window, query.shape[2])
                 self.queries[layer_idx] = F.pad(query[:, :, -width:], (0, 0, self.window - width, 0)).contiguous()
@@ -129,10 +136,13 @@ class RolloutAttention:
 
     def append_rows(self, other: RolloutAttention) -> None:
         """Add the rows of `other` (the provider of newly prefilled rows) after this one's; called after the cache
-        took them, so that the masses span the buffers' capacity."""
-        self.queries = {layer: torch.cat([q, other.queries[layer]]) for layer, q in self.queries.items()}
+        took them, so that the masses span the buffers' capacity. Their windows, oldest first, are turned to this
+        ring's position (a read of the device, as an admission makes anyway)."""
+        turn = int(self.ring_position) if self.ring_position is not None else 0
+        self.queries = {layer: torch.cat([q, other.queries[layer].roll(turn, dims=2)])
+                        for layer, q in self.queries.items()}
         if self.window_real is not None:
-            self.window_real = torch.cat([self.window_real, other.window_real])
+            self.window_real = torch.cat([self.window_real, other.window_real.roll(turn, dims=1)])
         self.mass = {layer: torch.cat([self._fitted(m, layer), self._fitted(other.mass[layer], layer)])
                      for layer, m in self.mass.items()}
 
