@@ -5,9 +5,8 @@ the static step (`step.py`), whose masks the cache computes from its realness an
 the masks it keeps, per full-attention layer, the window of the last w queries (SnapKV, R-KV and PyramidKV score with
 them) as a fixed `[N, Hq, w, D]` ring written in place each step (a step's query replaces the oldest, at the device
 position `ring_position`; the scorers sum over the window, so its order is theirs to ignore), and the attention mass
-each slot received (H2O)
-as `[N, Hkv, capacity]`, added to in place: fixed shapes, so a captured step writes them. Block-sparse attention
-narrows each decode query to its pages (`sparsity/block_sparse.py`).
+each slot received (H2O) as `[N, Hkv, capacity]`, added to in place: fixed shapes, so a captured step writes them.
+Block-sparse attention narrows each decode query to its pages (`sparsity/block_sparse.py`).
 """
 
 from __future__ import annotations
@@ -68,7 +67,8 @@ class RolloutAttention:
         return []
 
     def step_state(self) -> list[torch.Tensor]:
-        """What the static step advances here: the windows, the masses, the block selector's state."""
+        """What the static step advances here: the windows and their ring's position, the masses, the block selector's
+        state."""
         return [*self._window_tensors(), *self.mass.values(),
                 *([self.ring_position] if self.ring_position is not None else []),
                 *(self.selector.static_tensors() if self.selector is not None else [])]
