@@ -11,6 +11,7 @@ Rooms, each answering one question:
 
 and the floor every room reads: `sampler.py` (the one contract a sampler implements), `batch.py` (sampling
 settings, the sampled batch, the eviction record, the KV figures), `cache.py` and `cache_layer.py` (the buffer
-cache and its layers), `quantization.py` (fp8 and int8 KV storage, and its replay), `acceptance.py` (Sparrow's α), `adapter.py` (DistillSparse's sampler adapter) and `sizes.py` (memory sizes as users write them).
+cache and its layers), `arena.py` (storages that outlast a rollout, for a captured step's tensors), `quantization.py`
+(fp8 and int8 KV storage, and its replay), `acceptance.py` (Sparrow's α), `adapter.py` (DistillSparse's sampler adapter) and `sizes.py` (memory sizes as users write them).
 Arrows point from the top of that list down: dispatch → speculative → engine → sparsity → the floor.
 """

@@ -87,6 +87,10 @@ class KVStats:
     step_captures: int = 0
     step_capture_seconds: float = 0.0
     step_fallbacks: int = 0
+    # Captured steps kept across rollouts at the rollout's end (`StepRunner`), and the memory their tensors' storages
+    # hold between rollouts (`arena.py`); 0 when the step is not captured.
+    step_graphs_kept: int = 0
+    step_arena_bytes: int = 0
 
     def add_step_counts(self, counts) -> None:
         """Count a rollout's `engine.step.StepCounts`."""
@@ -118,6 +122,8 @@ class KVStats:
             attended_frac=sum(s.attended_frac * n for s, n in zip(stats, rows)) / total,
             rows_in_flight=max(s.rows_in_flight for s in stats),
             waves=sum(s.waves for s in stats),
+            step_graphs_kept=max(s.step_graphs_kept for s in stats),
+            step_arena_bytes=max(s.step_arena_bytes for s in stats),
             **{name: sum(getattr(s, name) for s in stats) for name in STEP_COUNTS},
             **per_row,
         )
@@ -135,6 +141,7 @@ class KVStats:
             "kv_attended_frac": self.attended_frac,
             "rows_in_flight": self.rows_in_flight, "rollout_waves": self.waves,
             **{name: getattr(self, name) for name in STEP_COUNTS},
+            "step_graphs_kept": self.step_graphs_kept, "step_arena_bytes": self.step_arena_bytes,
         }
 
 

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 
 from ..model.structure import layer_types, layer_windows, text_config
 from .cache_layer import BufferLayer
+from .arena import StepArena
 from .quantization import KVFormat, KVScales
 
 __all__ = ["BufferCache", "BufferLayer", "build_cache"]
@@ -25,6 +26,11 @@ class BufferCache(Cache):
         """Add the rows of `other` (newly prefilled, same layers) after this cache's."""
         for mine, theirs in zip(self.layers, other.layers):
             mine.append_rows(theirs)
+
+    def adopt(self, arena: StepArena, rows: int) -> None:
+        """Keep every layer's buffers in `arena` from now on (`arena.py`), with room for `rows` rows."""
+        for index, layer in enumerate(self.layers):
+            layer.adopt(arena, f"layer {index} ", rows)
 
     def set_incoming(self, columns: torch.Tensor, real: torch.Tensor) -> None:
         """Columns `[N, Q]` and realness `[N, Q]` of the tokens the next forward will append."""

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .arena import StepArena, placed
 from .quantization import KVFormat, bytes_view
 
 
@@ -80,6 +81,9 @@ class BufferLayer(CacheLayerMixin):
         self.real = torch.empty(batch, selection_heads, 0, dtype=torch.bool, device=device)
         self.is_initialized = True
         self.peak_bytes = 0
+        # Rows that ended and stay only to keep the batch at a captured size (`decode_loop.py`, row buckets): not
+        # counted in the peak, so that KV held is one figure however the step runs.
+        self.padding_rows = 0
         # Filled by the engine before each forward: the columns and realness of the incoming tokens.
         self.incoming_columns: torch.Tensor | None = None
         self.incoming_real: torch.Tensor | None = None
@@ -87,6 +91,9 @@ class BufferLayer(CacheLayerMixin):
         # tokens to; the step then reads whole buffers, and the decode loop counts the slots on the host (`advance`).
         self.static_slots: torch.Tensor | None = None
         self.static_rows: torch.Tensor | None = None  # `[N, 1]`: each row's index, for the slots' indexed writes
+        # Where the buffers live while a captured step holds them (`arena.py`), under roles named `role`...
+        self.arena: StepArena | None = None
+        self.role = ""
 
     # --- transformers' cache-layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -102,7 +109,7 @@ class BufferLayer(CacheLayerMixin):
         end = self.length + incoming
         if self.format is not None and self.key_scale is None:  # the prefill: the rows' scales for the rollout
             self.key_scale, self.value_scale = self.format.row_scales(key_states, value_states, self.incoming_real)
-            self.peak_bytes = max(self.peak_bytes, self.nbytes())
+            self._note_peak()
         keys, values, scales = self._encoded(key_states, value_states)
         bytes_view(self.keys)[:, :, self.length:end] = bytes_view(keys)
         bytes_view(self.values)[:, :, self.length:end] = bytes_view(values)
@@ -224,8 +231,8 @@ class BufferLayer(CacheLayerMixin):
         new_capacity = self._whole_pages(max(needed, self.capacity + self.growth))
         grow = new_capacity - self.capacity
         for name, tensor in self.slot_tensors().items():
-            setattr(self, name, _grow(tensor, grow, 2))
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+            self._set(name, _grow(tensor, grow, 2))
+        self._note_peak()
 
     def shrink(self, needed: int) -> None:
         """Cut the buffers to `needed` slots per row (whole pages) if they hold more; `needed` covers the longest
@@ -236,7 +243,12 @@ class BufferLayer(CacheLayerMixin):
         if capacity < self.length:
             raise RuntimeError(f"KV buffer shrink to {capacity} slots would cut rows holding {self.length}")
         for name, tensor in self.slot_tensors().items():
-            setattr(self, name, tensor[:, :, :capacity].clone())
+            self._set(name, tensor[:, :, :capacity].clone())
+
+    def _note_peak(self) -> None:
+        """The most KV bytes held so far, of the rows that are not padding (every tensor is per row)."""
+        per_row = self.nbytes() // self.batch if self.batch else 0
+        self.peak_bytes = max(self.peak_bytes, per_row * (self.batch - self.padding_rows))
 
     def _whole_pages(self, slots: int) -> int:
         """`slots` rounded up to whole pages, at most the maximum capacity."""
@@ -284,14 +296,15 @@ class BufferLayer(CacheLayerMixin):
         """Slots that row `row` holds."""
         return self.length if self.row_lengths is None else int(self.row_lengths[row])
 
-    def select_rows(self, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows: np.ndarray | None = None, padding: int = 0) -> None:
         """Keep the batch rows `rows`, in that order: the others finished (the buffers shrink with them), or a
         row repeated gives a group's prefilled prompt to each of its rows. `host_rows`: the same indices on the
-        host, needed while rows hold different lengths."""
+        host, needed while rows hold different lengths; `padding`: how many of the rows kept ended already."""
+        self.padding_rows = padding
         for name, tensor in {**self.slot_tensors(), **self.row_tensors()}.items():
-            setattr(self, name, bytes_view(tensor).index_select(0, rows).view(tensor.dtype))
+            self._set(name, bytes_view(tensor).index_select(0, rows).view(tensor.dtype))
         self.batch = len(rows)
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        self._note_peak()
         if self.row_lengths is not None:
             self._set_lengths(self.row_lengths[host_rows])
 
@@ -302,12 +315,27 @@ class BufferLayer(CacheLayerMixin):
         theirs = {**other.slot_tensors(), **other.row_tensors()}
         for name, mine in self.slot_tensors().items():
             grown = [_grow(t, capacity - t.shape[2], 2) for t in (mine, theirs[name])]
-            setattr(self, name, _cat(grown))
+            self._set(name, _cat(grown))
         for name, mine in self.row_tensors().items():
-            setattr(self, name, _cat([mine, theirs[name]]))
+            self._set(name, _cat([mine, theirs[name]]))
         self.batch += other.batch
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        self._note_peak()
         self._set_lengths(lengths)
+
+    def adopt(self, arena: StepArena, role: str, rows: int) -> None:
+        """Keep the buffers, counts and scales in `arena` from now on, under roles starting `role` (the decode
+        loop's cache, when its step is captured: `arena.py`), with room for `rows` rows at the maximum
+        capacity."""
+        self.arena, self.role = arena, role
+        for name, tensor in self.slot_tensors().items():
+            arena.reserve(f"{role}{name}", tensor, rows, self.max_capacity)
+        for name, tensor in self.row_tensors().items():
+            arena.reserve(f"{role}{name}", tensor, rows)
+        for name, tensor in {**self.slot_tensors(), **self.row_tensors()}.items():
+            self._set(name, tensor)
+
+    def _set(self, name: str, tensor: torch.Tensor) -> None:
+        setattr(self, name, placed(self.arena, f"{self.role}{name}", tensor))
 
     def _lengths(self) -> np.ndarray:
         """Per-row slot counts `[N]` on the host (a copy)."""

@@ -24,6 +24,7 @@ from ..rollout.dispatch.scheduler import (
     schedule_rollouts,
 )
 from ..rollout.engine.engine import RolloutEngine
+from ..rollout.engine.step import StepRunner
 from ..rollout.sparsity.block_sparse import BlockSparsity
 from ..rollout.sparsity.eviction import KVCompression
 from ..tasks.base import Example, Task, is_correct, walk_metrics
@@ -43,14 +44,16 @@ class Completions:
 def complete(model, tokenizer, examples: list[Example], max_new_tokens: int, temperature: float,
              compression: KVCompression | BlockSparsity | None = None, limits: RowLimits = RowLimits(),
              samples: int = 1, seed: int = 0, progress: str | None = None,
-             record_distributions: bool = False, kv_dtype: str = "auto") -> Completions:
+             record_distributions: bool = False, kv_dtype: str = "auto",
+             runners: dict[str, StepRunner] | None = None) -> Completions:
     """Sample `samples` completions per example (grouped: example i's come out consecutively), row i from
     the seed (`seed`, i), as many rows at a time as `limits` allow (`RowLimits.for_inference`). A KV memory
     budget that holds no row is refused before anything is sampled. `progress`: a label for a progress
     bar over the decode steps, None for silence. `kv_dtype`: how the cache stores keys and values (auto: the
-    model's dtype; fp8 or int8: quantized, with or without `compression`)."""
+    model's dtype; fp8 or int8: quantized, with or without `compression`). `runners`: the step runners to share with
+    earlier and later calls (a run's evaluations), so that captured steps are kept across them (None: this call's)."""
     engine = RolloutEngine(model, compression, record_evictions=False, record_distributions=record_distributions,
-                           kv_dtype=kv_dtype)
+                           kv_dtype=kv_dtype, runners=runners)
     limits = limits.for_inference()
     prompts = [ids for e in examples for ids in [tokenizer(e.prompt).input_ids] * samples]
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature,
@@ -76,13 +79,14 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 def greedy_scores(model, tokenizer, task: Task, examples: list[Example], max_new_tokens: int,
                   compression: KVCompression | BlockSparsity | None = None,
                   rewards: RewardRunner | None = None, limits: RowLimits = RowLimits(),
-                  answers: list[dict] | None = None, kv_dtype: str = "auto") -> dict[str, float]:
+                  answers: list[dict] | None = None, kv_dtype: str = "auto",
+                  runners: dict[str, StepRunner] | None = None) -> dict[str, float]:
     """Greedy `accuracy` (`is_correct` by the task's reward) on `examples`, plus the task's `walk_metrics`
     where it has them. `rewards` scores with the task's reward (default: `RewardRunner.for_task(task)`).
     `answers`, if given, gets each example's prompt, label, greedy completion and verdict appended.
-    `kv_dtype`: the cache's storage (`complete`)."""
+    `kv_dtype`, `runners`: the cache's storage and the step runners (`complete`)."""
     done = complete(model, tokenizer, examples, max_new_tokens, temperature=0.0, compression=compression,
-                    limits=limits, kv_dtype=kv_dtype)
+                    limits=limits, kv_dtype=kv_dtype, runners=runners)
     scores = (rewards or RewardRunner.for_task(task)).score_examples(examples, done.texts, done.ids)
     if answers is not None:
         answers.extend(answer_records(examples, done.texts, scores))

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..config.schema import ExperimentConfig, check_training_settings
 from ..rollout.dispatch.backends import make_rollouts
+from ..rollout.engine.step import StepRunner
 from .build import RunParts, build_run
 from .checkpoint import TrainerState, save_checkpoint
 from .evaluation import greedy_scores
@@ -62,6 +63,8 @@ class GRPOTrainer:
         self.run_dir = self.run.path
         self.logger: MetricsLogger | None = None
         self.rollouts = None
+        # The evaluations' step runners, shared by all of them: their captured steps last the run (`engine/step.py`).
+        self.eval_runners: dict[str, StepRunner] = {}
         try:
             checkpoint = self.run.resume_checkpoint
             self.parts: RunParts = build_run(config, self.run_dir, checkpoint)
@@ -163,7 +166,8 @@ class GRPOTrainer:
             with parts.sampler() if inference == "sparse" else contextlib.nullcontext():
                 scores = greedy_scores(parts.model, parts.tokenizer, parts.task, parts.eval_examples,
                                        parts.max_new_tokens, compression=compression, rewards=parts.eval_rewards,
-                                       limits=parts.row_limits, answers=answers, kv_dtype=kv_dtype)
+                                       limits=parts.row_limits, answers=answers, kv_dtype=kv_dtype,
+                                       runners=self.eval_runners)
             result.update({f"eval_{name}_{inference}": value for name, value in scores.items()})
             self.logger.log_samples([{"step": self.state.step, "kind": f"eval_{inference}", **a} for a in answers])
         counts = parts.eval_rewards.pop_counts()

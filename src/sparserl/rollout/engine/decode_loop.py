@@ -35,6 +35,7 @@ from ..quantization import KVScales
 from ..sparsity.block_sparse import BlockSelector, BlockSparsity
 from ..sparsity.eviction import compress_rows
 from ..sparsity.policies import KVPolicy
+from ..arena import placed
 from .rollout_attention import RolloutAttention
 
 from .step import Responses, RowState, draw_and_record, run_decode_step
@@ -78,6 +79,7 @@ class DecodeLoop:
         self.max_rows = max_rows
         self.record_distributions = record_distributions
         self.runner = engine.step_runner(sampling.compile_decode)
+        self.arena = self.runner.arena  # where the step's tensors live when it is captured (None otherwise)
         self.full = engine.full_capacity(self.width, self.steps)
         self.capacities = engine.capacities(self.width, self.steps, engine.num_layers)
         self.growth = cache_growth(self.full, self.comp.interval if self.comp is not None else None,
@@ -89,8 +91,11 @@ class DecodeLoop:
             logprobs=torch.zeros((batch, self.steps), dtype=torch.float32, device=device),
             lengths=torch.zeros(batch, dtype=torch.long, device=device),
             ended=torch.zeros(batch, dtype=torch.bool, device=device),
-            live=torch.ones(batch, dtype=torch.bool, device=device), fed=self.prompt_lengths.clone())
+            live=torch.ones(batch, dtype=torch.bool, device=device),
+            fed=self.prompt_lengths.clone()).placed_in(self.arena, "responses")
         self.held = torch.zeros(batch, dtype=torch.float32, device=device)  # real tokens cached when a row left
+        self.left = torch.zeros(batch, dtype=torch.bool, device=device)  # whether it left (or stays as padding)
+        self.padding = 0  # batch rows that ended and stay only to keep the batch at its bucket size (`_padded`)
         self.rows: RowState | None = None  # the batch rows, as the static step reads them
         self.cohorts: list[Cohort] = []  # those with rows in the batch
         self.cohorts_admitted = 0
@@ -111,7 +116,7 @@ class DecodeLoop:
     def run(self) -> DecodeLoop:
         if self.steps == 0:
             return self
-        with self.runner.one_rollout() as step_counts:
+        with self.runner.one_rollout(self.model) as step_counts:
             self._admit(min(self.max_rows, self.requests), start=0)
             step = 0
             with masked_attention(self.model, self.provider):
@@ -125,6 +130,10 @@ class DecodeLoop:
                     if joining:
                         self._admit(joining, start=step + 1)
                     step += 1
+        if self.arena is not None:
+            self.out = self.out.taken_out()
+            self.stats.step_arena_bytes = self.arena.nbytes()
+        self.stats.step_graphs_kept = self.runner.kept_graphs
         self.stats.add_step_counts(step_counts)
         self.stats.waves = self.cohorts_admitted
         self.stats.compress_seconds = self.compress_watch.seconds()
@@ -166,15 +175,19 @@ class DecodeLoop:
             counters=torch.zeros_like(requests), requests=requests,
             seeds=self.seeds[requests] if self.seeds is not None else None)
         if self.record_distributions and self.out.distributions is None:
-            self.out.distributions = torch.zeros(self.requests, self.steps, logits.shape[-1], dtype=torch.float32,
-                                                 device=self.device)
+            self.out.distributions = placed(self.arena, "responses distributions", torch.zeros(
+                self.requests, self.steps, logits.shape[-1], dtype=torch.float32, device=self.device))
         draw_and_record(logits, rows, self.out, self.sampling, rows.counters, self.generator)
         if self.cache is None:
             self.cache, self.provider, self.selector, self.rows = cache, provider, provider.selector, rows
+            if self.arena is not None:
+                cache.adopt(self.arena, self.max_rows)
+                provider.adopt(self.arena, self.max_rows)
+            self.rows = self.rows.placed_in(self.arena, "rows", self.max_rows)
         else:
             self.cache.append_rows(cache)
             self.provider.append_rows(provider)
-            self.rows = self.rows.extended(rows)
+            self.rows = self.rows.extended(rows).placed_in(self.arena, "rows")
         self.provider.fit_capacity()
         self.cohorts.append(Cohort(start, count, self._fresh_policy() if comp else None))
         self.cohorts_admitted += 1
@@ -218,24 +231,33 @@ class DecodeLoop:
         still = self.out.live[self.rows.requests]
         if not any(at_limit):
             staying = int(still.sum())  # the read of a check
-            ended = self.batch_rows - staying
+            rows = self.batch_rows - self.padding  # the rows an uncaptured step would hold: the same decisions
+            ended = rows - staying
             leave = staying == 0 or (self.engine.release_finished_rows and self.block is None
-                                     and ended >= max(1, self.batch_rows // 8))
+                                     and ended >= max(1, rows // 8))
             if not leave:
                 return
         index = still.nonzero().squeeze(1)
         self._keep_rows(index.cpu().numpy(), index)
 
     def _keep_rows(self, staying: np.ndarray, index: torch.Tensor | None = None) -> None:
-        """Keep the batch rows `staying` (sorted; `index`: the same on the device, if at hand)."""
-        self.held[self.rows.requests] = held_tokens(self.cache, self.out.fed[self.rows.requests])
-        if len(staying) == self.batch_rows:
-            return
+        """Keep the batch rows `staying` (sorted; `index`: the same on the device, if at hand), and as many ended
+        ones as padding as the row bucket asks (`_padded`)."""
+        requests = self.rows.requests
+        # A row's held tokens are counted when it leaves, as padding too: one kept as padding is compressed on.
+        counted = ~self.left[requests]
+        self.held[requests[counted]] = held_tokens(self.cache, self.out.fed[requests])[counted]
+        self.left[requests] |= ~self.out.live[requests]
         if index is None:
             index = torch.as_tensor(staying, dtype=torch.long, device=self.device)
-        self.rows = self.rows.select(index)
+        staying, index, self.padding = self._padded(staying, index)
         for layer in self.cache.layers:
-            layer.select_rows(index, staying)
+            layer.padding_rows = self.padding
+        if len(staying) == self.batch_rows:
+            return
+        self.rows = self.rows.select(index).placed_in(self.arena, "rows")
+        for layer in self.cache.layers:
+            layer.select_rows(index, staying, self.padding)
         self.provider.select_rows(index)
         cohorts = []
         for first, cohort in zip(self._firsts(), self.cohorts):
@@ -247,6 +269,19 @@ class DecodeLoop:
             if cohort.size:
                 cohorts.append(cohort)
         self.cohorts = cohorts
+
+    def _padded(self, staying: np.ndarray, index: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int]:
+        """Row buckets: a captured step runs at a batch size from a fixed ladder (`row_bucket`), so that every rollout
+        of a run meets the same few and replays their graphs. With the step captured and no request waiting, the
+        rows `staying` are padded up to their bucket with rows that ended (they feed padding and record nothing, as
+        an ended row does until it leaves). Returns the rows kept, on the host and the device, and the padding."""
+        if self.arena is None or self.admitted < self.requests or not len(staying):
+            return staying, index, 0
+        extra = min(row_bucket(len(staying), self.max_rows), self.batch_rows) - len(staying)
+        if not extra:
+            return staying, index, 0
+        kept = np.union1d(staying, np.setdiff1d(np.arange(self.batch_rows), staying)[:extra])
+        return kept, torch.as_tensor(kept, dtype=torch.long, device=self.device), extra
 
     def _firsts(self) -> list[int]:
         """Each cohort's first batch row."""
@@ -305,6 +340,14 @@ class DecodeLoop:
                 record.index_copy_(0, requests, columns)
             events.append(EvictionEvent(column, layer, record))
         return events
+
+
+def row_bucket(rows: int, most: int) -> int:
+    """The batch size a captured step holds `rows` rows at: the smallest of 1, 2, 3, then 4, 5, 6 and 7 times each
+    power of two (4 to 7, 8, 10, 12, 14, 16, 20, ...: four a doubling, so at most a fifth of a batch past 4 rows is
+    padding), or `most`, the most rows in flight."""
+    ladder = [1, 2, 3] + [m << k for k in range(max(most, 1).bit_length()) for m in (4, 5, 6, 7)]
+    return min([size for size in ladder if rows <= size < most] + [most])
 
 
 def cache_growth(full: int, interval: int | None, binds: bool) -> int:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..cache import BufferCache
 from ..sparsity.block_sparse import BlockSelector
 from ..sparsity.policies import additive_mask
+from ..arena import StepArena, placed
 
 
 class RolloutAttention:
@@ -34,6 +35,7 @@ class RolloutAttention:
         # [1] long, on the device: the ring slot the next step's query overwrites (a captured step advances it)
         self.ring_position: torch.Tensor | None = None
         self.mass: dict[int, torch.Tensor] = {}  # layer -> [N, Hkv, capacity]
+        self.arena: StepArena | None = None  # where the step's tensors live while it is captured (`rollout/arena.py`)
 
     # --- a prefill -----------------------------------------------------------------------------------
     def begin_forward(self, columns: torch.Tensor, real: torch.Tensor) -> None:
@@ -83,7 +85,28 @@ class RolloutAttention:
 
     def fit_capacity(self) -> None:
         """Fit the attention masses to their layers' buffers (after a buffer grew or shrank, or rows joined)."""
-        self.mass = {layer: self._fitted(mass, layer) for layer, mass in self.mass.items()}
+        self._set_rows({layer: self._fitted(mass, layer) for layer, mass in self.mass.items()}, self.queries,
+                       self.window_real)
+
+    def adopt(self, arena: StepArena, rows: int) -> None:
+        """Keep the windows, masses and the ring's position in `arena` from now on (`rollout/arena.py`), with room for `rows`
+        rows (and the masses for their layers' largest capacity)."""
+        self.arena = arena
+        for layer, mass in self.mass.items():
+            arena.reserve(f"mass {layer}", mass, rows, self.cache.layers[layer].max_capacity)
+        for layer, queries in self.queries.items():
+            arena.reserve(f"queries {layer}", queries, rows)
+        if self.window_real is not None:
+            arena.reserve("window realness", self.window_real, rows)
+        self.ring_position = placed(arena, "ring position", self.ring_position)
+        self._set_rows(self.mass, self.queries, self.window_real)
+
+    def _set_rows(self, mass: dict[int, torch.Tensor], queries: dict[int, torch.Tensor],
+                  window_real: torch.Tensor | None) -> None:
+        """Hold these masses, windows and window realness (each placed in the arena, if any)."""
+        self.mass = {layer: placed(self.arena, f"mass {layer}", m) for layer, m in mass.items()}
+        self.queries = {layer: placed(self.arena, f"queries {layer}", q) for layer, q in queries.items()}
+        self.window_real = placed(self.arena, "window realness", window_real)
 
     def _fitted(self, mass: torch.Tensor, layer_idx: int) -> torch.Tensor:
         extra = self.cache.layers[layer_idx].capacity - mass.shape[2]
@@ -127,10 +150,9 @@ class RolloutAttention:
     # --- rows leaving, joining, compressed -------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` (the others finished)."""
-        self.queries = {layer: q.index_select(0, rows) for layer, q in self.queries.items()}
-        self.mass = {layer: m.index_select(0, rows) for layer, m in self.mass.items()}
-        if self.window_real is not None:
-            self.window_real = self.window_real.index_select(0, rows)
+        self._set_rows({layer: m.index_select(0, rows) for layer, m in self.mass.items()},
+                       {layer: q.index_select(0, rows) for layer, q in self.queries.items()},
+                       None if self.window_real is None else self.window_real.index_select(0, rows))
         if self.selector is not None:
             self.selector.select_rows(rows)
 
@@ -139,12 +161,11 @@ class RolloutAttention:
         took them, so that the masses span the buffers' capacity. Their windows, oldest first, are turned to this
         ring's position (a read of the device, as an admission makes anyway)."""
         turn = int(self.ring_position) if self.ring_position is not None else 0
-        self.queries = {layer: torch.cat([q, other.queries[layer].roll(turn, dims=2)])
-                        for layer, q in self.queries.items()}
-        if self.window_real is not None:
-            self.window_real = torch.cat([self.window_real, other.window_real.roll(turn, dims=1)])
-        self.mass = {layer: torch.cat([self._fitted(m, layer), self._fitted(other.mass[layer], layer)])
-                     for layer, m in self.mass.items()}
+        self._set_rows(
+            {layer: torch.cat([self._fitted(m, layer), self._fitted(other.mass[layer], layer)])
+             for layer, m in self.mass.items()},
+            {layer: torch.cat([q, other.queries[layer].roll(turn, dims=2)]) for layer, q in self.queries.items()},
+            None if self.window_real is None else torch.cat([self.window_real, other.window_real.roll(turn, dims=1)]))
 
     def after_keep(self, layer_idx: int, slots: torch.Tensor, first_row: int) -> None:
         """Rows `first_row`... kept the slots `slots [n, Hs, B]`, now at the front of their buffers."""

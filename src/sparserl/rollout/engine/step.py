@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
@@ -29,6 +30,7 @@ import torch
 
 from ...errors import ConfigError
 from ...model.structure import rope_depends_on_length, text_config
+from ..arena import StepArena, placed
 from .participants import Varying, mark_varying, step_buffers, step_key, step_state, varying_dims
 from .token_draws import draw_tokens, row_uniforms
 
@@ -38,6 +40,12 @@ MODES = ("eager", "compile", "graphs", "compiled-graphs")
 # per torch.compile call, so a runner of its own for every sampler (an evaluation's engine, a sampler rebuilt when
 # a budget moves) would compile the step again, up to dynamo's limit of compilations per function.
 _COMPILED_STEPS: dict[Callable, Callable] = {}
+# Graphs a runner keeps across rollouts (`StepRunner._kept`), the least recently replayed dropped past it: a run
+# meets a few hundred (rows, capacity) pairs at most (docs/benchmarks.md), and all share one memory pool.
+KEPT_GRAPHS = 512
+# The memory pool every captured step allocates its intermediates from, as vLLM's graphs share one: a step writes its
+# results in place, so nothing it allocates outlives its replay, and steps replay one at a time.
+_GRAPH_POOL: tuple | None = None
 
 
 class _AdvancedState:
@@ -55,6 +63,23 @@ class _AdvancedState:
 
     def begin_step(self, rows: RowState) -> None:
         pass
+
+    def placed_in(self, arena: StepArena | None, role: str, rows: int | None = None):
+        """The same fields, each placed in `arena` under `role` and its name (`rollout/arena.py`), with room for `rows` rows
+        if given; itself without an arena."""
+        if arena is None:
+            return self
+        for f in fields(self):
+            if rows is not None and getattr(self, f.name) is not None:
+                arena.reserve(f"{role} {f.name}", getattr(self, f.name), rows)
+        return dataclasses.replace(self, **{f.name: placed(arena, f"{role} {f.name}", getattr(self, f.name))
+                                            for f in fields(self)})
+
+    def taken_out(self):
+        """The same fields, as tensors of their own: what outlives the rollout is not the arena's, which the next
+        rollout overwrites."""
+        return dataclasses.replace(self, **{f.name: None if getattr(self, f.name) is None else
+                                            getattr(self, f.name).clone() for f in fields(self)})
 
 
 @dataclass
@@ -182,8 +207,11 @@ class StepCounts:
 class StepRunner:
     """Runs a static step (`decode_step`, the speculative sampler's draft and verification steps): eagerly, compiled
     or replayed from CUDA graphs, each captured on the first call that meets its key (the step, the Python values
-    that shape it, the addresses and shapes of every tensor it reads and writes) and dropped once the buffers it
-    holds are replaced (and at the end of each rollout, `one_rollout`). Compilations are the process's
+    that shape it, the addresses and shapes of every tensor it reads and writes). A graph whose tensors all lie in
+    the runner's arena (`rollout/arena.py`, where the decode loop places its rows, outputs, windows and cache when its steps
+    are captured) is kept for the rest of the run, and replayed by a later rollout that meets the same shapes; any
+    other is dropped once the buffers it holds are replaced, and at the end of its rollout (`one_rollout`), so that
+    a run's captures are counted per shape, not per rollout. Compilations are the process's
     (`_COMPILED_STEPS`), so they last the run whichever sampler runs the step; a runner serves the whole run too (the
     dispatch's `SamplerCache` keeps it across samplers), so a fallback lasts the run and is counted.
 
@@ -202,7 +230,11 @@ class StepRunner:
             raise ValueError(f"step mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
         self.counts = StepCounts()
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # this rollout's, over tensors outside the arena
+        # Graphs over the arena's tensors only, kept across rollouts (oldest use first), while its storages stay put.
+        self._kept: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.arena = StepArena() if mode in ("graphs", "compiled-graphs") else None
+        self._weights: tuple = ()  # where this rollout's models keep their weights (`one_rollout`)
 
     @staticmethod
     def mode_for(compile_decode: str, device: torch.device) -> str:
@@ -228,14 +260,23 @@ class StepRunner:
             mode = "eager"
         return cls(mode)
 
+    @property
+    def kept_graphs(self) -> int:
+        """Graphs kept for later rollouts."""
+        return len(self._kept)
+
     def release(self) -> None:
-        """Drop the captured graphs (they hold the rollout's buffers and their memory pools)."""
+        """Drop this rollout's graphs over tensors outside the arena (they hold the rollout's buffers); those over the
+        arena's stay for the next rollout."""
         self._graphs.clear()
 
     @contextlib.contextmanager
-    def one_rollout(self) -> Iterator[StepCounts]:
-        """A rollout's use of the runner: yields what it will have cost (`StepCounts`, filled in when it ends), and
-        drops its graphs when it ends or fails."""
+    def one_rollout(self, *models: torch.nn.Module) -> Iterator[StepCounts]:
+        """A rollout of `models` (the weights its steps read) through the runner: yields what it will have cost
+        (`StepCounts`, filled in when it ends), and drops its graphs outside the arena when it ends or fails. The
+        weights' addresses are part of every graph's key: a graph kept from an earlier rollout replays only over
+        weights that moved in place (an optimizer step, `load_state_dict`), never over replaced ones."""
+        self._weights = tuple(t.data_ptr() for model in models for t in (*model.parameters(), *model.buffers()))
         before, made = dataclasses.replace(self.counts), StepCounts()
         try:
             yield made
@@ -287,16 +328,29 @@ class StepRunner:
             step(*args)
 
     def _replay(self, step, args, buffers, state, key) -> None:
-        held = tuple((t.data_ptr(), tuple(t.shape)) for t in (*buffers, *state) if t is not None)
-        full_key = (step, key, held)
-        graph = self._graphs.get(full_key)
+        tensors = [t for t in (*buffers, *state) if t is not None]
+        # The dtype too: samplers sharing the runner (a run's evaluation and its fp8 sampler) place other dtypes at
+        # the same addresses.
+        held = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
+        full_key = (step, key, held, self._weights)
+        graph = self._kept.get(full_key)
+        if graph is not None:
+            self._kept.move_to_end(full_key)
+        else:
+            graph = self._graphs.get(full_key)
         if graph is None:
             # A graph of this step over other buffers reads tensors that no longer hold the rollout: drop it (one of
             # this step over these buffers with another key, a speculative round's γ, stays).
             for stale in [k for k in self._graphs if k[0] is step and k[2] != held]:
                 del self._graphs[stale]
             started = time.perf_counter()
-            graph = self._graphs[full_key] = self._capture_step(step, args, [t for t in state if t is not None])
+            graph = self._capture_step(step, args, [t for t in state if t is not None])
+            if self.arena is not None and all(self.arena.holds(t) for t in tensors):
+                self._kept[full_key] = graph
+                if len(self._kept) > KEPT_GRAPHS:
+                    self._kept.popitem(last=False)
+            else:
+                self._graphs[full_key] = graph
             self.counts.captures += 1
             self.counts.capture_seconds += time.perf_counter() - started
         graph.replay()
@@ -330,8 +384,11 @@ def run_decode_step(runner: StepRunner, model, cache, provider, rows: RowState, 
         decode_step(model, cache, provider, rows, out, sampling, cache_keyword, generator)
         return
     participants = (cache, provider, rows, out)
+    # What a graph freezes beside its tensors and weights: a kept graph is replayed by later rollouts, whose sampling
+    # may differ (an evaluation's greedy draws after training's).
+    frozen = (sampling.temperature, sampling.eos_token_id, sampling.pad_token_id, cache_keyword)
     runner.run(decode_step, (model, cache, provider, rows, out, sampling, cache_keyword), step_buffers(participants),
-               step_state(participants), step_key(participants), varying_dims(participants))
+               step_state(participants), (*frozen, *step_key(participants)), varying_dims(participants))
 
 
 def _capture(step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
@@ -346,7 +403,10 @@ def _capture(step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.
     torch.cuda.current_stream().wait_stream(stream)
     for tensor, copy in saved:
         tensor.copy_(copy)
+    global _GRAPH_POOL
+    if _GRAPH_POOL is None:
+        _GRAPH_POOL = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # recorded, not run: the first replay takes the step
+    with torch.cuda.graph(graph, pool=_GRAPH_POOL):  # recorded, not run: the first replay takes the step
         step()
     return graph

@@ -123,7 +123,7 @@ class SpeculativeSampler:
         stats = SpeculationStats()
         runner = self.runners.setdefault(sampling.compile_decode, StepRunner.for_model(sampling.compile_decode, model))
         rollout = Rollout(model, cache, provider, state, sampling, width, capacity, cache_keyword(model), runner)
-        with masked_attention(model, provider), runner.one_rollout() as step_counts:
+        with masked_attention(model, provider), runner.one_rollout(model) as step_counts:
             cache.set_incoming(torch.arange(width, device=device).expand(len(first), -1), prompt_mask[first])
             logits = model(input_ids=prompt_ids[first], position_ids=positions_from_mask(prompt_mask[first]),
                            **{rollout.keyword: cache}, use_cache=True, logits_to_keep=1).logits
