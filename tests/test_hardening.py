@@ -278,6 +278,28 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_says_how_to_resume(tiny_mod
     assert _steps(out) == list(range(done + 2))
 
 
+def test_a_signal_after_the_steps_checkpoint_decision_still_checkpoints(tiny_model_dir, tmp_path, monkeypatch):
+    """The window the test above can only hit by chance (CI did, under load): Ctrl-C lands after step 3 decided not
+    to save (no checkpoint due) and before the loop checks for a stop. The run still saves step 3, as its message
+    says, and resumes from it."""
+    from sparserl.train import trainer
+
+    class SignalAfterStep3(trainer.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            if self.n == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(trainer, "tqdm", SignalAfterStep3)
+    out = tmp_path / "run"
+    assert main(_train(tiny_model_dir, out, 200, "--checkpoint-every", "1000")) == 130
+    assert _steps(out)[-1] == 3
+    assert [p.name for p in list_checkpoints(out)] == ["step_000003"]
+    monkeypatch.undo()
+    assert main(_train(tiny_model_dir, out, 4, "--resume", "--checkpoint-every", "1000")) == 0
+    assert _steps(out) == list(range(5))
+
+
 def test_a_comparison_that_cannot_start_leaves_nothing(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(["compare", "--out", str(out), "--model", str(tmp_path / "missing"), "--steps", "1"]) == 2

@@ -65,6 +65,7 @@ class GRPOTrainer:
         self.rollouts = None
         # The evaluations' step runners, shared by all of them: their captured steps last the run (`engine/step.py`).
         self.eval_runners: dict[str, StepRunner] = {}
+        self._saved_step = -1  # the step of the last checkpoint this process saved
         try:
             checkpoint = self.run.resume_checkpoint
             self.parts: RunParts = build_run(config, self.run_dir, checkpoint)
@@ -110,6 +111,10 @@ class GRPOTrainer:
                         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
                                         len=f"{record['response_len_mean']:.0f}")
                         if stop.requested:
+                            # A signal after the step decided not to save (between its check and this one) still
+                            # gets the checkpoint the message promises.
+                            if self._saved_step != self.state.step:
+                                self._save_checkpoint()
                             raise TrainingInterrupted(self.state.step, self.run_dir)
                 finally:
                     bar.close()
@@ -133,9 +138,14 @@ class GRPOTrainer:
             record.update(self.evaluate())
         self.logger.log(record)
         if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or stop.requested:
-            save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.parts.optimizer, cfg,
-                            cfg.output.keep_checkpoints, self.parts.distill)
+            self._save_checkpoint()
         return record
+
+    def _save_checkpoint(self) -> None:
+        cfg = self.config
+        save_checkpoint(self.run_dir, self.state, self.model, self.tokenizer, self.parts.optimizer, cfg,
+                        cfg.output.keep_checkpoints, self.parts.distill)
+        self._saved_step = self.state.step
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step's pipeline (`pipeline.StepPipeline.run`): its record, without advancing `state.step`."""
