@@ -97,7 +97,7 @@ class BufferCache(Cache):
         return [(t, (0, 2)) for t in slots] + [(t, (0,)) for t in rows]
 
     def begin_step(self, rows) -> None:
-        """The decode step feeds one token per row of `rows` (`engine.step.RowState`)."""
+        """The decode step feeds one token per row of `rows` (`engine.step_state.RowState`)."""
         self.begin_static(rows.columns[:, None], rows.fed_real[:, None])
 
     def end_step(self) -> None:

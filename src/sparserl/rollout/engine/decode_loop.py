@@ -38,7 +38,8 @@ from ..sparsity.policies import KVPolicy
 from ..arena import placed
 from .rollout_attention import RolloutAttention
 
-from .step import Responses, RowState, draw_and_record, run_decode_step
+from .step import draw_and_record, run_decode_step
+from .step_state import Responses, RowState
 
 # A cache that no budget binds grows in LADDER_RUNGS steps from its prompt to its whole sequence (in multiples of
 # GROWTH_QUANTUM slots): a few capacities per run, each a CUDA graph of the static step, and its measured peak (what
@@ -59,7 +60,7 @@ class Cohort:
 
 class DecodeLoop:
     """The state of one `RolloutEngine.generate` call (see the module). Outputs are per request, in the
-    order given: `out` (`step.Responses`: ids, log-probs, lengths, ended, tokens fed) and `held` `[N]`."""
+    order given: `out` (`step_state.Responses`: ids, log-probs, lengths, ended, tokens fed) and `held` `[N]`."""
 
     def __init__(self, engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling,
                  generator: torch.Generator | None, seeds: torch.Tensor | None, max_rows: int,

@@ -3,7 +3,7 @@ captures it (`step.StepRunner`).
 
 A participant is an object whose device tensors a static step reads or writes: the cache (`cache.BufferCache`), the
 mask provider with the KV policies' windows and masses (`rollout_attention.RolloutAttention`), the rows
-(`step.RowState`) and the outputs (`step.Responses`). For each the runner needs to know:
+(`step_state.RowState`) and the outputs (`step_state.Responses`). For each the runner needs to know:
 
 - `step_buffers`: the tensors the step writes the same values to if it runs twice (the cache's slots): a capture
   holds their addresses, and its warm-up's writes are rewritten by the first replay;
@@ -26,8 +26,8 @@ Varying = list[tuple[torch.Tensor, tuple[int, ...]]]
 
 
 class FedRows(Protocol):
-    """What a participant reads of the rows a step feeds (`step.RowState`, which step.py defines: naming it here
-    would import step.py, which imports this module): each row's column in the left-padded layout and whether the
+    """What a participant reads of the rows a step feeds (`step_state.RowState`: naming it here would import
+    step_state.py, which imports this module): each row's column in the left-padded layout and whether the
     token it feeds is real, `[N]` each."""
 
     columns: torch.Tensor

@@ -50,7 +50,7 @@ class RolloutAttention:
 
     # --- the static step, as a step participant (`participants.py`) ------------------------------------------
     def begin_step(self, rows) -> None:
-        """The static step feeds one token per row (`step.RowState`), real where `rows.fed_real [N]`: the window
+        """The static step feeds one token per row (`step_state.RowState`), real where `rows.fed_real [N]`: the window
         moves on by one."""
         if self.window_real is not None:
             self.window_real.index_copy_(1, self.ring_position, rows.fed_real[:, None])
@@ -89,8 +89,8 @@ class RolloutAttention:
                        self.window_real)
 
     def adopt(self, arena: StepArena, rows: int) -> None:
-        """Keep the windows, masses and the ring's position in `arena` from now on (`rollout/arena.py`), with room for `rows`
-        rows (and the masses for their layers' largest capacity)."""
+        """Keep the windows, masses and the ring's position in `arena` from now on (`rollout/arena.py`), with room
+        for `rows` rows (and the masses for their layers' largest capacity)."""
         self.arena = arena
         for layer, mass in self.mass.items():
             arena.reserve(f"mass {layer}", mass, rows, self.cache.layers[layer].max_capacity)

@@ -1,15 +1,15 @@
 """One static decode step: the rows' tokens in, the next tokens and their log-probs out, over fixed-shape buffers.
 
-The decode loop (`decode_loop.py`) decides; the step computes. Between two compressions every decode step of a
-rollout is this one function of device tensors updated in place: the token each row feeds, its position, column,
-cache slot and realness, its draw counter (`RowState`), the cache buffers (`BufferLayer.static_slots`), the policies'
-window of queries and attention mass, and the per-request outputs (`Responses`). Its masks come from the cache's
+The decode loop (`decode_loop.py`) decides; the step computes. Between two compressions every decode step of a rollout
+is this one function of device tensors updated in place: the token each row feeds, its position, column, cache slot and
+realness, its draw counter (`step_state.RowState`), the cache buffers (`BufferLayer.static_slots`), the policies' window
+of queries and attention mass, and the per-request outputs (`step_state.Responses`). Its masks come from the cache's
 realness and columns inside the step; nothing in it reads a value back to the host, indexes by a boolean mask or
 branches on a tensor's value, and no shape changes from one step to the next. So it can be captured as one CUDA graph
 per (rows, cache capacity) and replayed (`StepRunner`, as vLLM does), compiled whole (`torch.compile(fullgraph=True)`,
 once over symbolic rows and capacity), or both, the compiled step captured: the loop only calls it between the events
-that change a shape (rows joining or leaving, a buffer growing, a compression). What the step reads and advances
-comes from its participants, each under one contract (`participants.py`).
+that change a shape (rows joining or leaving, a buffer growing, a compression). What the step reads and advances comes
+from its participants, each under one contract (`participants.py`).
 
 Each row draws the token at its own response index from its own seed (`token_draws.row_uniforms`), so a row's tokens
 do not depend on the rows beside it, and the step's outputs are the eager step's whether it runs eagerly, compiled
@@ -30,8 +30,9 @@ import torch
 
 from ...errors import ConfigError
 from ...model.structure import rope_depends_on_length, text_config
-from ..arena import StepArena, placed
+from ..arena import StepArena
 from .participants import Varying, mark_varying, step_buffers, step_key, step_state, varying_dims
+from .step_state import Responses, RowState
 from .token_draws import draw_tokens, row_uniforms
 
 COMPILE_CHOICES = ("auto", "true", "false")
@@ -46,101 +47,6 @@ KEPT_GRAPHS = 512
 # The memory pool every captured step allocates its intermediates from, as vLLM's graphs share one: a step writes its
 # results in place, so nothing it allocates outlives its replay, and steps replay one at a time.
 _GRAPH_POOL: tuple | None = None
-
-
-class _AdvancedState:
-    """A step participant (`participants.py`) whose every tensor field the step advances (restored after a capture's
-    warm-up), with no buffers, no key and nothing to set up before a step: the rows and the outputs."""
-
-    def step_buffers(self) -> list[torch.Tensor]:
-        return []
-
-    def step_state(self) -> list[torch.Tensor]:
-        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
-
-    def step_key(self) -> tuple:
-        return ()
-
-    def begin_step(self, rows: RowState) -> None:
-        pass
-
-    def placed_in(self, arena: StepArena | None, role: str, rows: int | None = None):
-        """The same fields, each placed in `arena` under `role` and its name (`rollout/arena.py`), with room for `rows` rows
-        if given; itself without an arena."""
-        if arena is None:
-            return self
-        for f in fields(self):
-            if rows is not None and getattr(self, f.name) is not None:
-                arena.reserve(f"{role} {f.name}", getattr(self, f.name), rows)
-        return dataclasses.replace(self, **{f.name: placed(arena, f"{role} {f.name}", getattr(self, f.name))
-                                            for f in fields(self)})
-
-    def taken_out(self):
-        """The same fields, as tensors of their own: what outlives the rollout is not the arena's, which the next
-        rollout overwrites."""
-        return dataclasses.replace(self, **{f.name: None if getattr(self, f.name) is None else
-                                            getattr(self, f.name).clone() for f in fields(self)})
-
-
-@dataclass
-class RowState(_AdvancedState):
-    """The batch rows, as the static step reads them and leaves them for the next step, `[N]` each.
-
-    tokens: the token each row feeds next (the last one drawn); fed_real: whether it is a real token (its row was
-    live when it was drawn); positions, columns: its RoPE position and its column in the left-padded layout (its
-    cache slot is the layer's count of the row's slots, `BufferLayer.slot_counts`); counters: the response index it
-    was drawn at; requests: the request each row samples; seeds: each row's sampling seed (None: the rows share a
-    generator)."""
-
-    tokens: torch.Tensor
-    fed_real: torch.Tensor
-    positions: torch.Tensor
-    columns: torch.Tensor
-    counters: torch.Tensor
-    requests: torch.Tensor
-    seeds: torch.Tensor | None
-
-    def select(self, index: torch.Tensor) -> RowState:
-        """The rows `index`, in that order (new tensors: a captured step is captured again)."""
-        return RowState(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-                           for f in fields(self)})
-
-    def extended(self, other: RowState) -> RowState:
-        """These rows, then `other`'s."""
-        return RowState(**{f.name: None if getattr(self, f.name) is None else
-                           torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)})
-
-    # --- a step participant (`participants.py`) ---
-    def varying_dims(self) -> Varying:
-        return [(t, (0,)) for t in self.step_state()]
-
-    def end_step(self) -> None:
-        """The token drawn goes one position and one column further than the one fed."""
-        self.positions.add_(1)
-        self.columns.add_(1)
-
-
-@dataclass
-class Responses(_AdvancedState):
-    """What a rollout records per request (Q requests, T = max_new_tokens): the tokens `[Q, T]`, their log-probs
-    `[Q, T]`, the response lengths `[Q]`, whether a request ended at EOS `[Q]`, whether it is still sampling `[Q]`,
-    the real tokens fed to its cache, prompt included `[Q]`, and, when kept, each step's whole processed
-    distribution `[Q, T, V]`."""
-
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    lengths: torch.Tensor
-    ended: torch.Tensor
-    live: torch.Tensor
-    fed: torch.Tensor
-    distributions: torch.Tensor | None = None
-
-    # --- a step participant (`participants.py`): Q and T change between rollouts (an evaluation's chunks) ---
-    def varying_dims(self) -> Varying:
-        return [(t, (0, 1) if t.dim() > 1 else (0,)) for t in self.step_state()]
-
-    def end_step(self) -> None:
-        pass
 
 
 def draw_and_record(logits: torch.Tensor, rows: RowState, out: Responses, sampling, own: torch.Tensor,
@@ -208,10 +114,10 @@ class StepRunner:
     """Runs a static step (`decode_step`, the speculative sampler's draft and verification steps): eagerly, compiled
     or replayed from CUDA graphs, each captured on the first call that meets its key (the step, the Python values
     that shape it, the addresses and shapes of every tensor it reads and writes). A graph whose tensors all lie in
-    the runner's arena (`rollout/arena.py`, where the decode loop places its rows, outputs, windows and cache when its steps
-    are captured) is kept for the rest of the run, and replayed by a later rollout that meets the same shapes; any
-    other is dropped once the buffers it holds are replaced, and at the end of its rollout (`one_rollout`), so that
-    a run's captures are counted per shape, not per rollout. Compilations are the process's
+    the runner's arena (`rollout/arena.py`, where the decode loop places its rows, outputs, windows and cache when
+    its steps are captured) is kept for the rest of the run, and replayed by a later rollout that meets the same
+    shapes; any other is dropped once the buffers it holds are replaced, and at the end of its rollout
+    (`one_rollout`), so that a run's captures are counted per shape, not per rollout. Compilations are the process's
     (`_COMPILED_STEPS`), so they last the run whichever sampler runs the step; a runner serves the whole run too (the
     dispatch's `SamplerCache` keeps it across samplers), so a fallback lasts the run and is counted.
 
