@@ -146,7 +146,8 @@ def test_the_arena_places_a_tensor_at_its_roles_start_and_grows_only():
     assert arena.moves == 3 and not arena.holds(first) and arena.holds(grown)
     assert arena.nbytes() == grown.nbytes + 3
     assert not arena.holds(torch.zeros(3))
-    arena.reserve("mass", torch.zeros(2, 3, 5), rows=6, slots=9)  # room for [6, 3, 9] float32
+    small = arena.place("mass", torch.zeros(2, 3, 5), rows=6, slots=9)  # with room for [6, 3, 9] float32
+    assert small.shape == (2, 3, 5) and not small.any()
     assert arena.moves == 4 and arena.nbytes() == grown.nbytes + 3 + 6 * 3 * 9 * 4
     largest = arena.place("mass", torch.ones(6, 3, 9))
     assert arena.moves == 4 and arena.holds(largest)

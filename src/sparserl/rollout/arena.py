@@ -28,10 +28,19 @@ class StepArena:
         self._storage: dict[str, torch.Tensor] = {}  # role -> flat uint8
         self.moves = 0  # storages made or grown so far
 
-    def place(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor`'s values at the start of `role`'s storage: a contiguous tensor of its shape and dtype."""
+    def place(self, role: str, tensor: torch.Tensor, rows: int | None = None, slots: int | None = None) -> torch.Tensor:
+        """`tensor`'s values at the start of `role`'s storage: a contiguous tensor of its shape and dtype. With `rows`,
+        the storage also makes room for the tensor at `rows` rows (dim 0) and, if given, `slots` slots (dim 2): what
+        the rollout can reach, made at its start, so that no storage moves mid-run and strands the graphs over it."""
         size = tensor.numel() * tensor.element_size()
-        storage = self._holding(role, size, tensor.device)
+        room = size
+        if rows is not None:
+            shape = list(tensor.shape)
+            shape[0] = rows
+            if slots is not None:
+                shape[2] = slots
+            room = max(size, math.prod(shape) * tensor.element_size())
+        storage = self._holding(role, room, tensor.device)
         if tensor.untyped_storage().data_ptr() == storage.data_ptr():
             if tensor.data_ptr() == storage.data_ptr() and tensor.is_contiguous():
                 return tensor  # already where it goes, laid out as it goes
@@ -39,15 +48,6 @@ class StepArena:
         placed = storage[:size].view(tensor.dtype).view(tensor.shape)
         placed.copy_(tensor)
         return placed
-
-    def reserve(self, role: str, tensor: torch.Tensor, rows: int, slots: int | None = None) -> None:
-        """Make `role`'s storage hold `tensor` at `rows` rows (dim 0) and, if given, `slots` slots (dim 2): what the
-        rollout can reach, made at its start, so that no storage moves mid-run and strands the graphs over it."""
-        shape = list(tensor.shape)
-        shape[0] = rows
-        if slots is not None:
-            shape[2] = slots
-        self._holding(role, math.prod(shape) * tensor.element_size(), tensor.device)
 
     def _holding(self, role: str, size: int, device: torch.device) -> torch.Tensor:
         """`role`'s storage, made anew (moved) if it holds fewer than `size` bytes."""
@@ -66,6 +66,8 @@ class StepArena:
         return sum(storage.numel() for storage in self._storage.values())
 
 
-def placed(arena: StepArena | None, role: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """`tensor` placed in `arena` under `role` (as it is without an arena, or when None)."""
-    return tensor if arena is None or tensor is None else arena.place(role, tensor)
+def placed(arena: StepArena | None, role: str, tensor: torch.Tensor | None, rows: int | None = None,
+           slots: int | None = None) -> torch.Tensor | None:
+    """`tensor` placed in `arena` under `role`, with room for `rows` rows and `slots` slots if given
+    (`StepArena.place`); as it is without an arena, or when None."""
+    return tensor if arena is None or tensor is None else arena.place(role, tensor, rows, slots)

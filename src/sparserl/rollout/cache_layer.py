@@ -296,11 +296,11 @@ class BufferLayer(CacheLayerMixin):
         """Slots that row `row` holds."""
         return self.length if self.row_lengths is None else int(self.row_lengths[row])
 
-    def select_rows(self, rows: torch.Tensor, host_rows: np.ndarray | None = None, padding: int = 0) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> None:
         """Keep the batch rows `rows`, in that order: the others finished (the buffers shrink with them), or a
         row repeated gives a group's prefilled prompt to each of its rows. `host_rows`: the same indices on the
-        host, needed while rows hold different lengths; `padding`: how many of the rows kept ended already."""
-        self.padding_rows = padding
+        host, needed while rows hold different lengths. How many of them are padding the caller set first
+        (`padding_rows`)."""
         for name, tensor in {**self.slot_tensors(), **self.row_tensors()}.items():
             self._set(name, bytes_view(tensor).index_select(0, rows).view(tensor.dtype))
         self.batch = len(rows)
@@ -328,14 +328,12 @@ class BufferLayer(CacheLayerMixin):
         capacity."""
         self.arena, self.role = arena, role
         for name, tensor in self.slot_tensors().items():
-            arena.reserve(f"{role}{name}", tensor, rows, self.max_capacity)
+            self._set(name, tensor, rows, self.max_capacity)
         for name, tensor in self.row_tensors().items():
-            arena.reserve(f"{role}{name}", tensor, rows)
-        for name, tensor in {**self.slot_tensors(), **self.row_tensors()}.items():
-            self._set(name, tensor)
+            self._set(name, tensor, rows)
 
-    def _set(self, name: str, tensor: torch.Tensor) -> None:
-        setattr(self, name, placed(self.arena, f"{self.role}{name}", tensor))
+    def _set(self, name: str, tensor: torch.Tensor, rows: int | None = None, slots: int | None = None) -> None:
+        setattr(self, name, placed(self.arena, f"{self.role}{name}", tensor, rows, slots))
 
     def _lengths(self) -> np.ndarray:
         """Per-row slot counts `[N]` on the host (a copy)."""

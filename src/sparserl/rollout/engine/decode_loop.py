@@ -258,7 +258,7 @@ class DecodeLoop:
             return
         self.rows = self.rows.select(index).placed_in(self.arena, "rows")
         for layer in self.cache.layers:
-            layer.select_rows(index, staying, self.padding)
+            layer.select_rows(index, staying)
         self.provider.select_rows(index)
         cohorts = []
         for first, cohort in zip(self._firsts(), self.cohorts):

@@ -92,21 +92,17 @@ class RolloutAttention:
         """Keep the windows, masses and the ring's position in `arena` from now on (`rollout/arena.py`), with room
         for `rows` rows (and the masses for their layers' largest capacity)."""
         self.arena = arena
-        for layer, mass in self.mass.items():
-            arena.reserve(f"mass {layer}", mass, rows, self.cache.layers[layer].max_capacity)
-        for layer, queries in self.queries.items():
-            arena.reserve(f"queries {layer}", queries, rows)
-        if self.window_real is not None:
-            arena.reserve("window realness", self.window_real, rows)
         self.ring_position = placed(arena, "ring position", self.ring_position)
-        self._set_rows(self.mass, self.queries, self.window_real)
+        self._set_rows(self.mass, self.queries, self.window_real, rows)
 
     def _set_rows(self, mass: dict[int, torch.Tensor], queries: dict[int, torch.Tensor],
-                  window_real: torch.Tensor | None) -> None:
-        """Hold these masses, windows and window realness (each placed in the arena, if any)."""
-        self.mass = {layer: placed(self.arena, f"mass {layer}", m) for layer, m in mass.items()}
-        self.queries = {layer: placed(self.arena, f"queries {layer}", q) for layer, q in queries.items()}
-        self.window_real = placed(self.arena, "window realness", window_real)
+                  window_real: torch.Tensor | None, rows: int | None = None) -> None:
+        """Hold these masses, windows and window realness (each placed in the arena, if any, with room for `rows`
+        rows if given, and the masses for their layers' largest capacity)."""
+        self.mass = {layer: placed(self.arena, f"mass {layer}", m, rows, self.cache.layers[layer].max_capacity)
+                     for layer, m in mass.items()}
+        self.queries = {layer: placed(self.arena, f"queries {layer}", q, rows) for layer, q in queries.items()}
+        self.window_real = placed(self.arena, "window realness", window_real, rows)
 
     def _fitted(self, mass: torch.Tensor, layer_idx: int) -> torch.Tensor:
         extra = self.cache.layers[layer_idx].capacity - mass.shape[2]

@@ -35,10 +35,7 @@ class _AdvancedState:
         `rows` rows if given; itself without an arena."""
         if arena is None:
             return self
-        for f in fields(self):
-            if rows is not None and getattr(self, f.name) is not None:
-                arena.reserve(f"{role} {f.name}", getattr(self, f.name), rows)
-        return dataclasses.replace(self, **{f.name: placed(arena, f"{role} {f.name}", getattr(self, f.name))
+        return dataclasses.replace(self, **{f.name: placed(arena, f"{role} {f.name}", getattr(self, f.name), rows)
                                             for f in fields(self)})
 
     def taken_out(self):
