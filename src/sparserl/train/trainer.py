@@ -106,13 +106,11 @@ class GRPOTrainer:
                 step_seconds: list[float] = []
                 try:
                     while self.state.step < cfg.train.steps:
-                        record = self._step(self.state.step + 1, step_seconds, stop)
+                        record = self._step(self.state.step + 1, step_seconds)
                         bar.update(1)
                         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
                                         len=f"{record['response_len_mean']:.0f}")
-                        if stop.requested:
-                            # A signal after the step decided not to save (between its check and this one) still
-                            # gets the checkpoint the message promises.
+                        if stop.requested:  # checked once, here: a signal at any point of the step is seen
                             if self._saved_step != self.state.step:
                                 self._save_checkpoint()
                             raise TrainingInterrupted(self.state.step, self.run_dir)
@@ -123,7 +121,7 @@ class GRPOTrainer:
             self.close(failed)
         return self.state
 
-    def _step(self, step: int, step_seconds: list[float], stop: StopRequest) -> dict[str, float]:
+    def _step(self, step: int, step_seconds: list[float]) -> dict[str, float]:
         """One step, then its evaluation, record and checkpoint when due; says when the machine slows it."""
         cfg = self.config
         record = self.train_step(step)
@@ -137,7 +135,7 @@ class GRPOTrainer:
         if cfg.output.eval_every and (step % cfg.output.eval_every == 0 or step == cfg.train.steps):
             record.update(self.evaluate())
         self.logger.log(record)
-        if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps or stop.requested:
+        if step % cfg.output.checkpoint_every == 0 or step == cfg.train.steps:
             self._save_checkpoint()
         return record
 
