@@ -136,7 +136,8 @@ def test_report_table_regime_and_verdicts(tmp_path):
             "50.0% → 30.0%)") in verdicts
     assert "sparse-rl, final vs step-0 accuracy (dense inference): **holds** — mean +30.0 points" in verdicts
     assert "keeps ≥ 97% of dense accuracy — **met** (ratio of the means 100.0%, 95% CI 100.0% to 100.0%" in verdicts
-    assert "Issue 54's rule on sparse-rl − naive-sparse (dense inference): **inconclusive** on 2 seed(s)" in verdicts
+    assert ("Issue 54's rule on sparse-rl − naive-sparse (dense inference): interim, 2 of the 9 seeds the rule is for "
+            "(no verdict before 9): it would read **inconclusive** on 2 seed(s)") in verdicts
     assert "Caveat: verdicts rest on 2 steps (< 20), 2 seed(s) (< 3)" in verdicts
 
 
@@ -173,8 +174,8 @@ def test_paper_claims_decided_only_by_intervals_that_exclude_their_thresholds(tm
     assert "naive sparse training collapses (final < 50% of its step-0 accuracy) — **met** (ratio of the means " \
            "42.0%, 95% CI 37.0% to 47.0%" in verdicts
     # D = Sparse-RL − naive = +40 points on every seed: not "hurts", and far outside ±7.
-    assert "sparse-rl − naive-sparse (dense inference): **inconclusive** on 3 seed(s) (mean D +40.0 points" \
-        in verdicts
+    assert "sparse-rl − naive-sparse (dense inference): interim, 3 of the 9 seeds the rule is for (no verdict " \
+           "before 9): it would read **inconclusive** on 3 seed(s) (mean D +40.0 points" in verdicts
     # The same comparison on two seeds whose figures straddle 97%: no verdict word.
     (tmp_path / "two").mkdir()
     two = _compare_dir(tmp_path / "two", rl_finals=(0.6, 0.8))

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from sparserl.report.paired import rule_sentence
 from sparserl.report.statistics import (
     binomial_standard_error,
     paired_difference,
@@ -194,6 +195,16 @@ def test_the_nine_seed_rule(differences, outcome):
     if outcome == "no detectable harm":
         assert -7 <= found.low and found.high <= 7
     assert sparse_rl_vs_naive_rule(differences) == outcome
+
+
+def test_the_rule_reads_as_a_verdict_only_at_nine_seeds():
+    six = [-11.0, -29.5, 3.0, -2.0, -20.5, -25.5]  # the study's D at step 14, seeds 0-5
+    # mean −85.5 / 6 = −14.25: "hurts" by the rule's figures, but six seeds are not the nine it was set for.
+    assert rule_sentence(six).startswith(
+        "interim, 6 of the 9 seeds the rule is for (no verdict before 9): it would read **hurts** on 6 seed(s) "
+        "(mean D -14.2 points")
+    nine = [-10.0, -8.0, -12.0, -9.0, -11.0, -10.0, -9.0, -11.0, -10.0]
+    assert rule_sentence(nine).startswith("**hurts** on 9 seed(s) (mean D -10.0 points")
 
 
 def test_the_rule_is_inconclusive_on_a_mean_loss_without_significance():

@@ -95,7 +95,7 @@ def evaluation_at(run: Path, at: int | None) -> tuple[int, dict] | None:
 
 
 def spread(values: list[float], prompts: int | None) -> str:
-    return f"{mean(values):.1%}{standard_error(mean(values), prompts)} [{min(values):.1%}-{max(values):.1%}]"
+    return f"{mean(values):.1%}{standard_error(mean(values), prompts)} (min-max {min(values):.1%}-{max(values):.1%})"
 
 
 # Per (setting, step): {seed: (held-out accuracy under dense inference, under SnapKV, held-out prompts)}.

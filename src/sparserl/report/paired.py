@@ -16,6 +16,7 @@ from .statistics import (
     HARM_BOUND_POINTS,
     HURT_POINTS,
     RULE_LEVEL,
+    RULE_SEEDS,
     PairedDifference,
     RatioOfBaseline,
     binomial_standard_error,
@@ -103,11 +104,16 @@ def paired_note(prompts: int | None) -> str:
 
 
 def rule_sentence(differences: Sequence[float]) -> str:
-    """Issue 54's rule on D = Sparse-RL − naive-sparse (points, per seed) with the figures it rests on."""
+    """Issue 54's rule on D = Sparse-RL − naive-sparse (points, per seed) with the figures it rests on. Below the
+    RULE_SEEDS seeds the rule was set for, the reading is labelled interim: stopping when it first reads "hurts"
+    would make the rule's error rate a different one."""
     found = paired_t(differences, RULE_LEVEL)
     figures = "one seed: no interval" if found.p_below is None else (
         f"mean D {found.estimate:+.1f} points, {RULE_LEVEL:.0%} CI {interval(found, '+.1f')}, one-sided p "
         f"{p_value(found.p_below)}")
-    return (f"**{sparse_rl_vs_naive_rule(differences)}** on {found.n} seed(s) ({figures}; hurts: mean D <= "
-            f"−{HURT_POINTS:.0f} with one-sided p < 0.05; no detectable harm: the {RULE_LEVEL:.0%} CI within "
-            f"±{HARM_BOUND_POINTS:.0f} points)")
+    reading = f"**{sparse_rl_vs_naive_rule(differences)}** on {found.n} seed(s)"
+    if found.n < RULE_SEEDS:
+        reading = (f"interim, {found.n} of the {RULE_SEEDS} seeds the rule is for (no verdict before "
+                   f"{RULE_SEEDS}): it would read {reading}")
+    return (f"{reading} ({figures}; hurts: mean D <= −{HURT_POINTS:.0f} with one-sided p < 0.05; no detectable "
+            f"harm: the {RULE_LEVEL:.0%} CI within ±{HARM_BOUND_POINTS:.0f} points)")

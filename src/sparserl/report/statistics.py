@@ -19,6 +19,7 @@ HURT_POINTS = 5.0        # the nine-seed rule: "hurts" if the mean D <= −5 poi
 HARM_BOUND_POINTS = 7.0  # ... "no detectable harm" if the 90% interval of D lies within ±7 points
 RULE_P = 0.05
 RULE_LEVEL = 0.90
+RULE_SEEDS = 9  # the seeds the rule was set for: with fewer its reading is interim, not a verdict
 
 
 # ---------------------------------------------------------------------------------- Student's t
