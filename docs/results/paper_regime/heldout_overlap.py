@@ -13,27 +13,24 @@ from __future__ import annotations
 import argparse
 
 from sparserl.config.schema import load_config
-from sparserl.tasks.counted_progression import split_of
-
-FIRST_START, LAST_START = 10, 99  # the task's starts (CountedProgressionTask.examples)
+from sparserl.tasks.registry import task_from_config
 
 
-def covered(start: int, step: int, count: int, train: set[tuple[int, int, int]], same_start: bool) -> bool:
-    shifts = [0] if same_start else range(0, (start - FIRST_START) // step + 1)
+def covered(start: int, step: int, count: int, train: set[tuple[int, int, int]], most: int, same_start: bool) -> bool:
+    """Whether a training prompt (start − j·step, step, a count of at least count + j, more than count when j = 0)
+    exists; `most`: the task's largest count, which bounds both j and the longer count."""
+    shifts = [0] if same_start else range(most - count + 1)
     return any((start - j * step, step, longer) in train
-               for j in shifts for longer in range(count + j + (j == 0), count + j + 100))
+               for j in shifts for longer in range(count + j + (j == 0), most + 1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/smollm2-counted-progression.yaml")
-    task = load_config(parser.parse_args().config).task
-    prompts = [(a, d, n) for a in range(FIRST_START, LAST_START + 1) for d in range(2, task.max_increment + 1)
-               for n in range(task.min_progression_steps, task.progression_steps + 1)]
-    train = {p for p in prompts if split_of(*p) == "train"}
-    held_out = [p for p in prompts if split_of(*p) == "test"]
+    task = task_from_config(load_config(parser.parse_args().config).task)
+    train, held_out = set(task.split_prompts("train")), task.split_prompts("test")
     for label, same_start in (("from any start with the same step", False), ("from the same start", True)):
-        inside = sum(covered(*p, train, same_start) for p in held_out)
+        inside = sum(covered(*p, train, task.progression_steps, same_start) for p in held_out)
         print(f"held-out prompts whose chain of sums lies inside a longer training answer, {label}: "
               f"{inside} of {len(held_out)} ({inside / len(held_out):.1%})")
 

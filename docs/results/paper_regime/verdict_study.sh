@@ -45,9 +45,7 @@ for seed in 3 4 5 6 7 8; do
         --answers "$warm/answers_step0.jsonl"
   fi
   for mode in sparse-rl naive-sparse; do
-    if [ ! -f "docs/results/paper_regime/rl/$mode-b32-credit_s$seed/eval_step14.json" ]; then
-      run_part "$mode-b32-credit_s$seed" "runs/cp2/$mode-b32-credit_s$seed.log" \
-        bash docs/results/paper_regime/run_mode.sh "$mode" "$seed"
-    fi
+    run_part "$mode-b32-credit_s$seed" "runs/cp2/$mode-b32-credit_s$seed.log" \
+      bash docs/results/paper_regime/run_mode.sh "$mode" "$seed"  # (run_mode.sh skips a finished run)
   done
 done

@@ -80,15 +80,19 @@ class CountedProgressionTask(LineTask):
         per_line = 2 * len(str(self.progression_steps)) + 2 * digits + len(str(self.max_increment)) + 10
         return self.progression_steps * per_line + len("The result is .") + digits
 
+    def split_prompts(self, split: str = "train") -> list[tuple[int, int, int]]:
+        """Every (start, step, count) of `split` ("test": the held-out ones; anything else: the training ones)."""
+        wanted = "test" if split == "test" else "train"
+        return [(a, d, n) for a in range(10, 100) for d in range(2, self.max_increment + 1)
+                for n in range(self.min_progression_steps, self.progression_steps + 1) if split_of(a, d, n) == wanted]
+
     def examples(self, count: int, seed: int, split: str = "train") -> list[Example]:
         """Training examples are drawn with replacement from the training prompts; held-out ones are distinct
         prompts (a seeded shuffle of the held-out ones, so a longer list starts with a shorter one)."""
         rng = random.Random(f"counted_progression/{split}/{seed}/{self.min_progression_steps}/"
                             f"{self.progression_steps}/{self.max_increment}")
-        wanted = "test" if split == "test" else "train"
-        pool = [(a, d, n) for a in range(10, 100) for d in range(2, self.max_increment + 1)
-                for n in range(self.min_progression_steps, self.progression_steps + 1) if split_of(a, d, n) == wanted]
-        if wanted == "test":
+        pool = self.split_prompts(split)
+        if split == "test":
             if count > len(pool):
                 raise ConfigError(f"counted_progression: {count} held-out prompts asked for, the settings have "
                                   f"{len(pool)}; widen --progression-steps or --max-increment")
