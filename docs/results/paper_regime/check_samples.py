@@ -3,10 +3,12 @@
     python docs/results/paper_regime/check_samples.py RUN_DIR|ANSWERS.jsonl [...] [--count-every 1]
 
 For each run's samples.jsonl (training rollouts and held-out answers), or a file of `sparserl eval --answers`, the
-prompt's start, step and count are read back from its text and each answer is checked line by line (`measure.read_progression`: the lines rebuilt from the
-prompt's numbers). Prints, per run and kind of answer (train, eval_dense, eval_sparse) and step, how many answers
-the checker and the run's own `correct` agree on, and why the wrong ones first went wrong. Exits 1 on any
-disagreement, so that a reward that scores without doing the task shows here.
+prompt's start, step and count are read back from its text and each answer is checked line by line
+(`measure.read_progression`: the lines rebuilt from the prompt's numbers). Prints, per run and kind of answer (train,
+eval_dense, eval_sparse) and step, how many answers the checker and the run's own `correct` agree on, why the wrong
+ones first went wrong, and the share of all walk lines whose sum is wrong (slips after the first count too: how often
+the model adds wrongly, apart from where it stops). Exits 1 on any disagreement, so that a reward that scores without
+doing the task shows here.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure import read_progression  # noqa: E402 - the checker lives beside this script
+from measure import STEP, read_progression  # noqa: E402 - the checker lives beside this script
 
 PROMPT = re.compile(r"Start at (\d+) and add (\d+) to it (\d+) times, one numbered line per addition\.")
 
@@ -39,15 +41,22 @@ def check_run(run: Path, count_every: int) -> tuple[list[str], int]:
         cell["n"] += 1
         cell["correct"] += correct
         cell[why] += not correct
+        for line in row["completion"].split("\n"):
+            step_line = STEP.match(line.strip())
+            if step_line:
+                _, _, carried, added, result = map(int, (g or 0 for g in step_line.groups()))
+                cell["walk lines"] += 1
+                cell["wrong sums"] += carried + added != result
         if correct != bool(row["correct"]):
             cell["disagree"] += 1
             disagreements += 1
     lines = []
     for (kind, step), cell in sorted(cells.items(), key=lambda item: (item[0][0], str(item[0][1]).zfill(6))):
         reasons = ", ".join(f"{why} {n}" for why, n in cell.most_common()
-                            if why not in ("n", "correct", "disagree") and n)
+                            if why not in ("n", "correct", "disagree", "walk lines", "wrong sums") and n)
+        per_line = cell["wrong sums"] / cell["walk lines"] if cell["walk lines"] else 0.0
         lines.append(f"| {run.parent.name + '/' + run.name if run.is_file() else run.name} | {kind} | {step} | {cell['n']} | {cell['correct'] / cell['n']:.1%} | "
-                     f"{cell['disagree']} | {reasons or '-'} |")
+                     f"{cell['disagree']} | {reasons or '-'} | {per_line:.1%} |")
     return lines, disagreements
 
 
@@ -56,8 +65,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--count-every", type=int, default=1, help="the task's count_every (the runs' config)")
     args = parser.parse_args()
-    print("| run | answers | step | n | correct (checker) | disagree with the run | first errors |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | answers | step | n | correct (checker) | disagree with the run | first errors | wrong sums per line |")
+    print("|---|---|---|---|---|---|---|---|")
     total = 0
     for run in args.runs:
         lines, disagreements = check_run(run, args.count_every)
