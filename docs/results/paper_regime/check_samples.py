@@ -26,9 +26,17 @@ from measure import STEP, read_progression  # noqa: E402 - the checker lives bes
 PROMPT = re.compile(r"Start at (\d+) and add (\d+) to it (\d+) times, one numbered line per addition\.")
 
 
+def walk_sums(completion: str) -> tuple[int, int]:
+    """(walk lines, lines whose sum is wrong) over the whole answer, past its first error too."""
+    walk = [STEP.match(line.strip()) for line in completion.split("\n")]
+    sums = [tuple(map(int, match.group(3, 4, 5))) for match in walk if match]
+    return len(sums), sum(carried + added != result for carried, added, result in sums)
+
+
 def check_run(run: Path, count_every: int) -> tuple[list[str], int]:
     """Table lines for one run (or answers file) and its number of disagreements."""
     cells: dict[tuple[str, int | str], Counter] = defaultdict(Counter)
+    walk_lines: dict[tuple[str, int | str], Counter] = defaultdict(Counter)  # apart from cells: not a reason
     disagreements = 0
     for line in (run / "samples.jsonl" if run.is_dir() else run).read_text().splitlines():
         row = json.loads(line)
@@ -41,20 +49,17 @@ def check_run(run: Path, count_every: int) -> tuple[list[str], int]:
         cell["n"] += 1
         cell["correct"] += correct
         cell[why] += not correct
-        for line in row["completion"].split("\n"):
-            step_line = STEP.match(line.strip())
-            if step_line:
-                _, _, carried, added, result = map(int, (g or 0 for g in step_line.groups()))
-                cell["walk lines"] += 1
-                cell["wrong sums"] += carried + added != result
+        seen, wrong = walk_sums(row["completion"])
+        walk_lines[(kind, step)].update(seen=seen, wrong=wrong)
         if correct != bool(row["correct"]):
             cell["disagree"] += 1
             disagreements += 1
     lines = []
     for (kind, step), cell in sorted(cells.items(), key=lambda item: (item[0][0], str(item[0][1]).zfill(6))):
         reasons = ", ".join(f"{why} {n}" for why, n in cell.most_common()
-                            if why not in ("n", "correct", "disagree", "walk lines", "wrong sums") and n)
-        per_line = cell["wrong sums"] / cell["walk lines"] if cell["walk lines"] else 0.0
+                            if why not in ("n", "correct", "disagree") and n)
+        walk = walk_lines[(kind, step)]
+        per_line = walk["wrong"] / walk["seen"] if walk["seen"] else 0.0
         lines.append(f"| {run.parent.name + '/' + run.name if run.is_file() else run.name} | {kind} | {step} | {cell['n']} | {cell['correct'] / cell['n']:.1%} | "
                      f"{cell['disagree']} | {reasons or '-'} | {per_line:.1%} |")
     return lines, disagreements
